@@ -1,0 +1,5 @@
+import sys
+
+from tracegym.cli import main
+
+sys.exit(main())

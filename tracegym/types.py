@@ -1,0 +1,212 @@
+"""The contract every part of tracegym speaks.
+
+Everything that crosses a module boundary is one of these types: environments take and return
+``Message``s, engines take prompt token ids and return ``Generation``s, the rollout runner writes
+``Trajectory``s, and the renderer turns a ``Trajectory`` into ``TrainingExample``s for SFT and RL.
+
+All types are pydantic models, so they validate on construction and serialise to JSON
+(``model_dump_json`` / ``model_validate_json``). This module imports nothing from the package.
+
+Token-in, token-out: a ``Turn`` keeps the exact prompt token ids the engine saw and the exact
+token ids it sampled, with their log-probs. Training never decodes and re-encodes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ToolCall(_Frozen):
+    """One call of a tool by the model.
+
+    ``arguments`` is the parsed JSON object; ``raw`` is the text the model wrote for the call
+    (between ``<tool_call>`` tags in the Hermes convention), kept for inspection and debugging.
+    ``id`` pairs the call with the ``tool`` message that answers it.
+    """
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    raw: str = ""
+    id: str | None = None
+
+
+class Message(_Frozen):
+    """One chat message.
+
+    - ``system``/``user``: ``content`` only.
+    - ``assistant``: ``content`` (text outside tool calls, stripped) and zero or more ``tool_calls``.
+    - ``tool``: ``content`` is the tool's result (or an error text the model should see);
+      ``tool_call_id`` names the call it answers and ``name`` the tool.
+    """
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ParsedCompletion(_Frozen):
+    """What the renderer makes of a sampled completion.
+
+    ``message`` is always an assistant message. A malformed tool call (bad JSON, wrong shape) is not
+    an exception: it lands in ``errors`` as a human-readable text that an environment shows to the
+    model, and the call is left out of ``message.tool_calls``.
+    """
+
+    message: Message
+    errors: tuple[str, ...] = ()
+    ended_with_eot: bool = True  # the completion ended with the end-of-turn token
+
+
+class SamplingParams(_Frozen):
+    """Sampling parameters for one generate call (same meaning as in vLLM and the OpenAI API)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Generation(_Frozen):
+    """One sampled completion: token ids, the log-prob of each under the sampling distribution."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None  # None for text-level engines (openai)
+    finish_reason: FinishReason = "stop"
+    text: str | None = None  # set by text-level engines; token engines may leave it None
+
+
+class StepResult(_Frozen):
+    """What an environment returns after one assistant message.
+
+    ``terminated``: the task ended (solved, failed for good, or the agent gave its final answer).
+    ``truncated``: a limit cut the episode before it ended (turns, budget). They never mean the same.
+    ``reward`` is the reward for this step; the episode reward is the sum over steps.
+    """
+
+    messages: tuple[Message, ...] = ()
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class Turn(_Frozen):
+    """One assistant turn as the engine saw and produced it.
+
+    ``prompt_ids``: the full prompt (whole conversation so far plus the generation prompt).
+    ``completion_ids``: the sampled tokens, end-of-turn token included when it was sampled.
+    ``completion_logprobs``: one per completion token under the sampling distribution, or None when
+    the turn came from a text-level engine or a scripted expert.
+    """
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    completion_logprobs: tuple[float, ...] | None = None
+    finish_reason: FinishReason = "stop"
+    message: Message  # the parsed assistant message
+    parse_errors: tuple[str, ...] = ()
+    env_messages: tuple[Message, ...] = ()  # what the env answered (tool results, user turns)
+    reward: float = 0.0
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+EndReason = Literal[
+    "terminated",  # the env ended the task
+    "truncated",  # the env cut it (its own limit)
+    "max_turns",  # the runner's turn limit T
+    "max_tokens",  # the runner's per-episode token budget
+    "context",  # the next prompt would not fit the context window
+    "timeout",  # wall-clock limit of the episode
+    "env_error",  # the env raised; see ``error``
+    "engine_error",  # the engine failed for this episode
+]
+
+
+class Trajectory(_Frozen):
+    """One episode: the conversation, every assistant turn token-exact, rewards, and why it ended."""
+
+    env: str
+    task_id: str
+    split: str = "train"
+    sample_index: int = 0  # which of the K samples of this task
+    tools: tuple[dict[str, Any], ...] = ()  # JSON schemas (OpenAI function format) shown to the model
+    messages: tuple[Message, ...]  # the whole conversation, initial prompt included
+    turns: tuple[Turn, ...] = ()
+    reward: float = 0.0  # episode reward (sum of step rewards)
+    success: bool = False
+    metrics: dict[str, float] = Field(default_factory=dict)
+    end_reason: EndReason = "terminated"
+    error: str | None = None
+    policy: str = ""  # model name, "expert", ...
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+
+class TrainingExample(_Frozen):
+    """One token sequence with explicit masks, for SFT and RL alike.
+
+    All lists have the sequence length L. ``loss_mask[i] == 1`` exactly on tokens the model generated
+    (its end-of-turn token included); 0 on system, user and tool tokens and on the generation prompt.
+    ``weights`` are per-token SFT weights, ``advantages`` per-token RL advantages, ``logprobs`` the
+    engine's sampled log-probs (0.0 where not generated or unknown). Token ``i`` is predicted from
+    tokens ``< i``.
+    """
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    weights: tuple[float, ...]
+    advantages: tuple[float, ...]
+    logprobs: tuple[float, ...]
+    has_logprobs: bool = False
+    source: str = ""  # "<env>/<task_id>/<sample_index>#<part>"
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+# --- JSONL helpers --------------------------------------------------------------------------
+
+
+def write_jsonl(path: str | Path, items: Iterable[BaseModel], append: bool = False) -> int:
+    """Write models as JSON lines; returns how many were written. Each line is flushed."""
+    n = 0
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for item in items:
+            f.write(item.model_dump_json() + "\n")
+            f.flush()
+            n += 1
+    return n
+
+
+def read_jsonl(path: str | Path, cls: type[BaseModel]) -> Iterator[Any]:
+    """Read JSON lines into ``cls``; a torn last line (crash mid-write) is skipped, not fatal."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield cls.model_validate(json.loads(line))
+            except json.JSONDecodeError:
+                continue
