@@ -7,9 +7,42 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
+# The user's model cache as it was when the session started. Session fixtures load through it
+# (so repeated runs skip the ~25 s de-quantisation), even if a test points TRACEGYM_CACHE at a
+# tmp_path before the fixture is first requested.
+_SESSION_TRACEGYM_CACHE = os.environ.get("TRACEGYM_CACHE")
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
     from tracegym.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
+
+
+def _load_with_session_cache(name: str):
+    from tracegym.models import load
+
+    with pytest.MonkeyPatch.context() as patch:
+        if _SESSION_TRACEGYM_CACHE is None:
+            patch.delenv("TRACEGYM_CACHE", raising=False)
+        else:
+            patch.setenv("TRACEGYM_CACHE", _SESSION_TRACEGYM_CACHE)
+        return load(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``(model, tokenizer)`` of ``load("tiny-random")`` (seed 0), shared by the whole session.
+
+    Treat it as read-only; a test that trains or edits weights loads its own copy with
+    ``tracegym.models.load("tiny-random")`` (fast, and identical for the same seed).
+    """
+    return _load_with_session_cache("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct (float32), loaded through the user's
+    cache: about 1-2 s when built, about 25 s the first time. Read-only, like ``tiny_model``."""
+    return _load_with_session_cache("smollm2-135m")

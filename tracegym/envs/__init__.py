@@ -1,1 +1,45 @@
+"""Environments: the ``Env`` interface, tool environments, the registry and the env checker.
 
+    from tracegym.envs import make, list_envs
+    env = make("calculator", num_calls=3)
+"""
+
+from __future__ import annotations
+
+from tracegym.envs.base import Env, Task
+from tracegym.envs.check import CheckReport, EnvCheckError, check_env
+from tracegym.envs.episode import EpisodeResult, run_episode, run_episodes
+from tracegym.envs.registry import (
+    BUILTIN_ENVS,
+    EnvLoadError,
+    UnknownEnvError,
+    env_factory,
+    list_envs,
+    make,
+    register,
+    unregister,
+)
+from tracegym.envs.tools import ToolEnv, extract_answer, tool, tool_schema
+
+__all__ = [
+    "BUILTIN_ENVS",
+    "CheckReport",
+    "Env",
+    "EnvCheckError",
+    "EnvLoadError",
+    "EpisodeResult",
+    "Task",
+    "ToolEnv",
+    "UnknownEnvError",
+    "env_factory",
+    "extract_answer",
+    "list_envs",
+    "make",
+    "register",
+    "run_episode",
+    "run_episodes",
+    "check_env",
+    "tool",
+    "tool_schema",
+    "unregister",
+]

@@ -1,1 +1,78 @@
+"""The token layer: chat templates <-> token ids, tool-call parsing, loss masks.
 
+``get_renderer(name, tokenizer)`` returns a ``Renderer`` for a template name ("smollm2", "hermes")
+or for a model name ("smollm2-135m", "tiny-random" -> "smollm2"; Qwen2.5/Qwen3 names -> "hermes").
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from tracegym.render.base import BuildStats, Renderer
+from tracegym.render.chatml import ChatMLRenderer
+from tracegym.render.hermes import HermesRenderer, hermes_chat_template
+from tracegym.render.smollm2 import SmolLM2Renderer
+
+RENDERERS: dict[str, type[Renderer]] = {
+    "smollm2": SmolLM2Renderer,
+    "hermes": HermesRenderer,
+}
+
+# Model names (lower case) -> renderer name.
+MODEL_RENDERERS: dict[str, str] = {
+    "smollm2-135m": "smollm2",
+    "tiny-random": "smollm2",
+}
+
+# Substrings of a model name or path that pick a renderer when the name is not listed above.
+_FAMILY_HINTS: tuple[tuple[str, str], ...] = (("qwen", "hermes"), ("hermes", "hermes"), ("smollm", "smollm2"))
+
+
+def register_renderer(name: str, cls: type[Renderer]) -> None:
+    """Add a renderer class under ``name`` (third-party chat-template families)."""
+    RENDERERS[name] = cls
+
+
+def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str:
+    """Renderer name for a renderer name, a known model name, or a model path."""
+    key = name_or_tokenizer_name.strip()
+    if key in RENDERERS:
+        return key
+    lowered = key.lower()
+    if lowered in MODEL_RENDERERS:
+        return MODEL_RENDERERS[lowered]
+    base = os.path.basename(lowered.rstrip("/"))
+    for hint, renderer in _FAMILY_HINTS:
+        if hint in base:
+            return renderer
+    # A local folder of an unknown model: a ChatML template that knows tools is Hermes-style.
+    # (Only for folders: a mistyped renderer name is an error, not a silent guess.)
+    template = getattr(tokenizer, "chat_template", None)
+    if os.path.isdir(key) and isinstance(template, str) and "<|im_start|>" in template:
+        return "hermes" if "<tool_call>" in template else "smollm2"
+    known = sorted(RENDERERS) + sorted(MODEL_RENDERERS)
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"no renderer for {key!r}{hint}; known renderers: {', '.join(sorted(RENDERERS))}")
+
+
+def get_renderer(name_or_tokenizer_name: str, tokenizer: Any) -> Renderer:
+    """A renderer bound to ``tokenizer``, chosen by template name or model name."""
+    return RENDERERS[renderer_name_for(name_or_tokenizer_name, tokenizer)](tokenizer)
+
+
+__all__ = [
+    "BuildStats",
+    "ChatMLRenderer",
+    "HermesRenderer",
+    "MODEL_RENDERERS",
+    "RENDERERS",
+    "Renderer",
+    "SmolLM2Renderer",
+    "get_renderer",
+    "hermes_chat_template",
+    "register_renderer",
+    "renderer_name_for",
+]

@@ -1,0 +1,262 @@
+"""Policy losses, aggregation, SFT loss and compute_policy_loss against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tracegym.algos import (
+    POLICY_LOSSES,
+    LossNormalizers,
+    PolicyLossConfig,
+    aggregate,
+    compute_policy_loss,
+    kl_per_token,
+    sft_loss,
+)
+from tracegym.batch import Batch
+
+LN = math.log
+
+
+def _ppo(logprobs, old, adv, mask=None, **cfg_kwargs):
+    mask = torch.ones_like(adv) if mask is None else mask
+    cfg = PolicyLossConfig(**cfg_kwargs)
+    return POLICY_LOSSES.get(cfg.loss)(logprobs, old, adv, mask, cfg)
+
+
+def test_ppo_clip_hand_computed_values_metrics_and_gradients():
+    # ratios r = exp(logp - old) = [1.5, 0.5, 1.1, 0.7, 1.5], advantages [1, -1, 2, -2, -1], eps 0.2
+    # token 0: max(-1*1.5, -1*1.2) = -1.2   (A>0, r>1.2: clipped high, zero gradient)
+    # token 1: max( 1*0.5,  1*0.8) =  0.8   (A<0, r<0.8: clipped low, zero gradient)
+    # token 2: max(-2*1.1, -2*1.1) = -2.2   (inside the range: gradient -A*r = -2.2)
+    # token 3: max( 2*0.7,  2*0.8) =  1.6   (clipped low)
+    # token 4: max( 1*1.5,  1*1.2) =  1.5   (A<0 and r>1.2 is NOT clipped: gradient -A*r = 1.5)
+    # token mean = (-1.2 + 0.8 - 2.2 + 1.6 + 1.5) / 5 = 0.5 / 5 = 0.1
+    old = torch.zeros(1, 5)
+    logprobs = torch.tensor([[LN(1.5), LN(0.5), LN(1.1), LN(0.7), LN(1.5)]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 2.0, -2.0, -1.0]])
+    loss, metrics = _ppo(logprobs, old, adv)
+    assert loss.item() == pytest.approx(0.1, abs=1e-6)
+    assert metrics["clip_frac_low"] == pytest.approx(2 / 5)
+    assert metrics["clip_frac_high"] == pytest.approx(1 / 5)
+    assert metrics["ratio_min"] == pytest.approx(0.5, abs=1e-6)
+    assert metrics["ratio_max"] == pytest.approx(1.5, abs=1e-6)
+    assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.7 + 1.5) / 5, abs=1e-6)
+    # approx_kl = mean(r - 1 - log r)
+    expected_kl = sum(r - 1 - LN(r) for r in (1.5, 0.5, 1.1, 0.7, 1.5)) / 5
+    assert metrics["approx_kl"] == pytest.approx(expected_kl, abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    # d loss / d logp_t = (-A_t r_t) / 5 on unclipped tokens, 0 on clipped ones
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, -2.2 / 5, 0.0, 1.5 / 5]]), atol=1e-6, rtol=0)
+
+
+def test_ppo_clip_higher_and_dual_clip():
+    # clip-higher eps_low 0.2, eps_high 0.28, A = 1: r = 1.25 -> -1.25 (inside), r = 1.5 -> -1.28 (clipped)
+    logprobs = torch.tensor([[LN(1.25), LN(1.5)]])
+    loss, m = _ppo(logprobs, torch.zeros(1, 2), torch.ones(1, 2), clip_eps_high=0.28)
+    assert loss.item() == pytest.approx((-1.25 - 1.28) / 2, abs=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(0.5)
+    # symmetric 0.2 clips both: (-1.2 - 1.2)/2
+    loss, _ = _ppo(logprobs, torch.zeros(1, 2), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-1.2, abs=1e-6)
+    # dual clip c = 3, A = -1: r = 5 -> min(max(5, 1.2), 3) = 3 with zero gradient; r = 2 -> 2 (below the cap)
+    logprobs = torch.tensor([[LN(5.0), LN(2.0)]], requires_grad=True)
+    loss, m = _ppo(logprobs, torch.zeros(1, 2), -torch.ones(1, 2), dual_clip_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 2.0) / 2, abs=1e-5)
+    assert m["dual_clip_frac"] == pytest.approx(0.5)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 2.0 / 2]]), atol=1e-5, rtol=0)
+    # without the dual clip the first token costs 5
+    loss, _ = _ppo(logprobs.detach(), torch.zeros(1, 2), -torch.ones(1, 2))
+    assert loss.item() == pytest.approx((5.0 + 2.0) / 2, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "policy_gradient"])
+def test_on_policy_loss_is_minus_mean_advantage_in_token_mean(name: str):
+    gen = torch.Generator().manual_seed(1)
+    logprobs = -torch.rand(3, 6, generator=gen) * 3
+    adv = torch.randn(3, 6, generator=gen)
+    mask = (torch.rand(3, 6, generator=gen) > 0.3).float()
+    mask[0, 0] = 1.0
+    cfg = PolicyLossConfig(loss=name)
+    loss, metrics = POLICY_LOSSES.get(name)(logprobs.clone().requires_grad_(), logprobs, adv, mask, cfg)
+    expected = -(adv * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics.get("clip_frac_low", 0.0) == 0.0 and metrics.get("clip_frac_high", 0.0) == 0.0
+
+
+def test_aggregation_modes_hand_computed():
+    # row 0: tokens with loss [1, 3] (third column masked out: its 100 must not count); row 1: [4]
+    per_token = torch.tensor([[1.0, 3.0, 100.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(per_token, mask, "token_mean").item() == pytest.approx(8 / 3)  # (1+3+4)/3
+    assert aggregate(per_token, mask, "sequence_mean").item() == pytest.approx(3.0)  # (2 + 4)/2
+    # fixed length 4: (4/4 + 4/4) / 2 = 1; without a fixed length the padded T = 3: (4/3 + 4/3)/2
+    assert aggregate(per_token, mask, "fixed_length_sum", fixed_length=4).item() == pytest.approx(1.0)
+    assert aggregate(per_token, mask, "fixed_length_sum").item() == pytest.approx(4 / 3)
+    # token weights scale the numerator only: weights [2, 1] on row 0 -> (2 + 3 + 4)/3
+    w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    assert aggregate(per_token, mask, "token_mean", token_weights=w).item() == pytest.approx(3.0)
+    # full-batch normalizers replace the local denominators: 10 tokens, 4 sequences
+    norm = LossNormalizers(num_tokens=10, num_sequences=4, weight_sum=10, max_target_length=8)
+    assert aggregate(per_token, mask, "token_mean", normalizers=norm).item() == pytest.approx(0.8)
+    assert aggregate(per_token, mask, "sequence_mean", normalizers=norm).item() == pytest.approx(1.5)
+    assert aggregate(per_token, mask, "fixed_length_sum", normalizers=norm).item() == pytest.approx(8 / 8 / 4)
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(per_token, mask, "sum")
+
+
+def test_ppo_loss_under_each_aggregation_on_policy():
+    # on policy the per-token loss is -A: row 0 A = [-1, -3] (2 tokens), row 1 A = [-4] -> as above
+    adv = torch.tensor([[-1.0, -3.0, 0.0], [-4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    lp = torch.full((2, 3), -1.0)
+    expect = {"token_mean": 8 / 3, "sequence_mean": 3.0, "fixed_length_sum": 1.0}
+    for mode, value in expect.items():
+        cfg = PolicyLossConfig(aggregation=mode, fixed_length=4)
+        loss, _ = POLICY_LOSSES.get("ppo_clip")(lp, lp, adv, mask, cfg)
+        assert loss.item() == pytest.approx(value), mode
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    # token log ratios [0.2, -0.1] -> sequence log ratio 0.05, s = exp(0.05) = 1.051271; A = 1
+    old = torch.zeros(1, 2)
+    logprobs = torch.tensor([[0.2, -0.1]])
+    adv = torch.ones(1, 2)
+    loss, m = _ppo(logprobs, old, adv, loss="gspo", aggregation="sequence_mean")
+    assert loss.item() == pytest.approx(-1.051271, abs=1e-6)
+    assert m["ratio_mean"] == pytest.approx(1.051271, abs=1e-6)
+    # GSPO-size clip ranges: eps_high 0.04 clips s at 1.04
+    loss, m = _ppo(logprobs, old, adv, loss="gspo", aggregation="sequence_mean", clip_eps_low=3e-4, clip_eps_high=0.04)
+    assert loss.item() == pytest.approx(-1.04, abs=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(1.0)
+
+
+def test_gspo_token_form_has_the_gradient_of_sequence_gspo():
+    # Direct GSPO: J = -(1/G) sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t(logp - old)) with gradient.
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 5, generator=gen) * 2
+    logprobs = (old + 0.1 * torch.randn(4, 5, generator=gen)).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    seq_adv = torch.tensor([1.0, -0.5, 2.0, -1.0])
+    adv = seq_adv[:, None].expand(4, 5)
+    eps = 0.05
+    s = torch.exp(((logprobs - old) * mask).sum(-1) / mask.sum(-1))
+    direct = -torch.minimum(s * seq_adv, s.clamp(1 - eps, 1 + eps) * seq_adv).mean()
+    (g_direct,) = torch.autograd.grad(direct, logprobs)
+    loss, _ = _ppo(logprobs, old, adv, mask, loss="gspo", aggregation="sequence_mean", clip_eps_low=eps)
+    (g_token,) = torch.autograd.grad(loss, logprobs)
+    assert loss.item() == pytest.approx(direct.item(), abs=1e-6)
+    torch.testing.assert_close(g_token, g_direct, atol=1e-6, rtol=1e-5)
+    assert (g_direct != 0).any()  # some sequences are inside the clip range
+
+
+def test_entropy_aware_clip_widens_for_high_entropy_tokens():
+    # entropy [0.1, 3.0], reference 1, scales clamp([0.1, 3], 0.5, 2) = [0.5, 2] -> eps_high [0.1, 0.4]
+    # r = 1.2 and A = 1 at both: token 0 clipped at 1.1 -> -1.1; token 1 inside -> -1.2; mean -1.15
+    logprobs = torch.full((1, 2), LN(1.2))
+    entropy = torch.tensor([[0.1, 3.0]])
+    cfg = PolicyLossConfig(entropy_clip=True)
+    loss, m = POLICY_LOSSES.get("ppo_clip")(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), cfg, entropy=entropy)
+    assert loss.item() == pytest.approx(-1.15, abs=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="entropy"):
+        POLICY_LOSSES.get("ppo_clip")(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), cfg)
+
+
+def test_sft_loss_hand_computed():
+    # nll [1, 2, 3] (4th token masked), weights [1, 2, 0.5]: weighted = (1 + 4 + 1.5)/3.5; token mean = 6.5/3
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights = torch.tensor([[1.0, 2.0, 0.5, 7.0]])
+    loss, m = sft_loss(logprobs, mask, weights)
+    assert loss.item() == pytest.approx(6.5 / 3.5)
+    loss, _ = sft_loss(logprobs, mask, weights, reduction="token_mean")
+    assert loss.item() == pytest.approx(6.5 / 3)
+    assert m["nll"] == pytest.approx(2.0) and m["num_tokens"] == 3
+    # without weights both are the plain token mean (1+2+3)/3 = 2
+    assert sft_loss(logprobs, mask)[0].item() == pytest.approx(2.0)
+
+
+def _batch(logprobs_old, advantages, mask, engine=None, ref=None, old=None) -> Batch:
+    b, t = mask.shape
+    return Batch(
+        input_ids=torch.zeros(b, t + 1, dtype=torch.long),
+        attention_mask=torch.ones(b, t + 1, dtype=torch.long),
+        loss_mask=mask,
+        weights=mask.clone(),
+        advantages=advantages,
+        engine_logprobs=engine if engine is not None else logprobs_old,
+        has_engine_logprobs=torch.ones(b, dtype=torch.bool),
+        example_ids=torch.arange(b),
+        group_ids=torch.zeros(b, dtype=torch.long),
+        normalizers=LossNormalizers.from_mask(mask),
+        old_logprobs=old,
+        ref_logprobs=ref,
+    )
+
+
+def test_compute_policy_loss_composes_kl_entropy_and_tis():
+    # one row, 2 tokens, on policy (old = new = -1), A = [1, 2] -> policy loss -(1+2)/2 = -1.5
+    # ref = [-1.5, -0.5]: log r = ref - logp = [-0.5, 0.5]; k1 = -log r = [0.5, -0.5] -> mean 0
+    # k3 = e^{log r} - 1 - log r = [0.106531, 0.148721] -> mean 0.127626
+    # entropy [0.4, 0.8] -> mean 0.6; TIS: engine = [-1.5, -1.0]: w = min(exp([0.5, 0]), 1.5) = [1.5, 1]
+    lp = torch.full((1, 2), -1.0)
+    adv = torch.tensor([[1.0, 2.0]])
+    mask = torch.ones(1, 2)
+    ref = torch.tensor([[-1.5, -0.5]])
+    entropy = torch.tensor([[0.4, 0.8]])
+    batch = _batch(lp, adv, mask, engine=torch.tensor([[-1.5, -1.0]]), ref=ref, old=lp)
+    loss, m = compute_policy_loss(batch, lp, entropy, PolicyLossConfig())
+    assert loss.item() == pytest.approx(-1.5)
+    assert m["entropy"] == pytest.approx(0.6)
+    cfg = PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    loss, m = compute_policy_loss(batch, lp, entropy, cfg)
+    assert loss.item() == pytest.approx(-1.5 + 0.1 * 0.127626 - 0.01 * 0.6, abs=1e-6)
+    assert m["kl_ref"] == pytest.approx(0.127626, abs=1e-6)
+    loss, _ = compute_policy_loss(batch, lp, entropy, PolicyLossConfig(kl_coef=0.1, kl_estimator="k1"))
+    assert loss.item() == pytest.approx(-1.5, abs=1e-6)
+    # TIS: -(1.5*1 + 1*2)/2 = -1.75; one of two tokens truncated (raw exp(0.5) = 1.6487 > 1.5)
+    loss, m = compute_policy_loss(batch, lp, None, PolicyLossConfig(tis_cap=1.5))
+    assert loss.item() == pytest.approx(-1.75, abs=1e-6)
+    assert m["tis_truncated_frac"] == pytest.approx(0.5)
+    # in-reward KL is the recipe's job: the loss ignores it
+    loss, _ = compute_policy_loss(batch, lp, None, PolicyLossConfig(kl_coef=0.1, kl_penalty="reward"))
+    assert loss.item() == pytest.approx(-1.5)
+
+
+def test_compute_policy_loss_kl_gradient_and_errors():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    batch = _batch(lp.detach(), torch.zeros(1, 2), torch.ones(1, 2), ref=ref)
+    loss, _ = compute_policy_loss(batch, lp, None, PolicyLossConfig(kl_coef=1.0, kl_estimator="k3"))
+    (grad,) = torch.autograd.grad(loss, lp)
+    # d k3 / d logp = d/dlogp [e^{ref-logp} - 1 - (ref - logp)] = 1 - e^{ref-logp}; token mean /2
+    expected = (1 - torch.exp(ref - lp.detach())) / 2
+    torch.testing.assert_close(grad, expected)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        compute_policy_loss(_batch(lp.detach(), torch.zeros(1, 2), torch.ones(1, 2)), lp, None, PolicyLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="old_logprobs"):
+        compute_policy_loss(batch, lp, None, PolicyLossConfig(tis_cap=2.0))
+    with pytest.raises(ValueError, match="entropy"):
+        compute_policy_loss(batch, lp, None, PolicyLossConfig(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="shape"):
+        compute_policy_loss(batch, lp[:, :1], None, PolicyLossConfig())
+
+
+def test_policy_loss_config_validation():
+    with pytest.raises(ValueError, match="Did you mean 'gspo'"):
+        PolicyLossConfig(loss="gpso")
+    with pytest.raises(ValueError, match="extra"):
+        PolicyLossConfig(clip_eps=0.2)
+    with pytest.raises(ValueError):
+        PolicyLossConfig(dual_clip_c=0.5)
+    with pytest.raises(ValueError):
+        PolicyLossConfig(aggregation="mean")
+    assert PolicyLossConfig(clip_eps_low=0.1).eps_high == 0.1
+    assert set(POLICY_LOSSES.names()) == {"ppo_clip", "gspo", "policy_gradient"}
+    assert kl_per_token(torch.zeros(2), torch.zeros(2), "k2").tolist() == [0.0, 0.0]

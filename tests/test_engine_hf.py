@@ -1,0 +1,221 @@
+"""The hf engine on tiny-random: log-probs vs teacher forcing, greedy vs model.generate, stopping,
+per-sequence finish, seeding, top-p, weight updates (state dict and LoRA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tracegym.engines import make_engine
+from tracegym.engines.hf import HFEngine, sampling_logprobs
+from tracegym.types import SamplingParams
+
+PROMPTS = [[1, 9690, 198, 28120, 905, 2], [1, 4093, 198], [1, 4093, 198, 6004, 28, 1919, 314, 253, 1345, 30, 2, 198]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tracegym.models import load
+
+    model, tokenizer = load("tiny-random")
+    return model, tokenizer
+
+
+def teacher_forced(model, prompt, completion, temperature, top_p):
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # position j predicts token j+1
+    lp = sampling_logprobs(logits, temperature, top_p)
+    return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_logprobs_equal_a_teacher_forced_forward(tiny, temperature, top_p):
+    model, _ = tiny
+    engine = HFEngine(model)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=12, n=2, seed=5))
+    assert [len(g) for g in out] == [2, 2, 2]
+    worst = 0.0
+    for prompt, gens in zip(PROMPTS, out):
+        for g in gens:
+            assert len(g.token_ids) == len(g.logprobs) == 12 and g.finish_reason == "length"
+            ref = teacher_forced(model, prompt, g.token_ids, temperature, top_p)
+            worst = max(worst, (ref - torch.tensor(g.logprobs)).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_greedy_equals_model_generate(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))
+    for prompt, [g] in zip(PROMPTS, out):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                             min_new_tokens=10, eos_token_id=None, pad_token_id=0)
+        assert list(g.token_ids) == ref[0, len(prompt):].tolist()
+        # greedy log-prob: the argmax under the unscaled softmax
+        ref_lp = teacher_forced(model, prompt, g.token_ids, 1.0, 1.0)
+        assert torch.allclose(ref_lp, torch.tensor(g.logprobs), atol=1e-4)
+
+
+def test_stop_token_and_per_sequence_finish(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    free = engine.generate(PROMPTS, greedy)
+    # stop on the 3rd greedy token of prompt 0 (if it does not also occur in the others' first tokens)
+    stop = free[0][0].token_ids[2]
+    first_hit = [g[0].token_ids.index(stop) if stop in g[0].token_ids else None for g in free]
+    out = engine.generate(PROMPTS, greedy.model_copy(update={"stop_token_ids": (stop,)}))
+    for hit, [g], [f] in zip(first_hit, out, free):
+        if hit is None:
+            assert g.finish_reason == "length" and g.token_ids == f.token_ids
+        else:
+            # the stop token is included, nothing after it; rows that stopped early left the batch
+            # without changing the others
+            assert g.finish_reason == "stop" and g.token_ids == f.token_ids[: hit + 1]
+    assert out[0][0].finish_reason == "stop" and len(out[0][0].token_ids) <= 3
+    # engine-level stop ids (the renderer's end-of-turn) act the same way
+    out2 = HFEngine(model, stop_token_ids=[stop]).generate(PROMPTS, greedy)
+    assert out2 == out
+
+
+def test_finished_rows_leave_the_batch(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    first = engine.generate(PROMPTS[:1], greedy)[0][0].token_ids[0]
+    engine.forward_calls = 0
+    out = engine.generate(PROMPTS, greedy.model_copy(update={"stop_token_ids": (first,)}))
+    longest = max(len(g[0].token_ids) for g in out)
+    assert engine.forward_calls == longest  # prefill + (longest - 1) decode steps
+    assert out[0][0].token_ids == (first,)
+
+
+def test_seeded_sampling_is_deterministic(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=123, n=3)
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS, params)
+    c = engine.generate(PROMPTS, params.model_copy(update={"seed": 124}))
+    assert a == b and a != c
+    # the n samples of one prompt differ from each other
+    assert len({g.token_ids for g in a[0]}) == 3
+    # greedy results do not depend on how rows are chunked (sampled ones share one generator per
+    # call, so they are reproducible for a fixed max_batch_size); padding changes log-probs only
+    # at float rounding level
+    g1 = HFEngine(model, max_batch_size=1).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+    g8 = HFEngine(model, max_batch_size=8).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [g[0].token_ids for g in g1] == [g[0].token_ids for g in g8]
+    for [a1], [a8] in zip(g1, g8):
+        assert a1.logprobs == pytest.approx(a8.logprobs, abs=1e-5)
+
+
+def test_tiny_top_p_is_greedy(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    sampled = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=6, seed=0))
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [g[0].token_ids for g in sampled] == [g[0].token_ids for g in greedy]
+    # only one token in the nucleus: its log-prob under the sampling distribution is 0
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for g in sampled for lp in g[0].logprobs)
+
+
+def test_sampling_logprobs_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    lp = sampling_logprobs(logits, 1.0, 0.7)  # nucleus {0.5, 0.3} (mass before 0.2 is 0.8 >= 0.7)
+    assert lp[0, 0].item() == pytest.approx(math.log(0.5 / 0.8), abs=1e-6)
+    assert lp[0, 1].item() == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
+    assert lp[0, 2].item() == float("-inf")
+    lp = sampling_logprobs(logits, 2.0, 1.0)  # p^(1/2), renormalised
+    z = sum(p**0.5 for p in (0.5, 0.3, 0.2))
+    assert lp[0, 2].item() == pytest.approx(math.log(0.2**0.5 / z), abs=1e-6)
+    assert torch.allclose(sampling_logprobs(logits, 0.0, 0.1), logits.log_softmax(-1))
+
+
+def test_stop_strings_edge_cases_and_bad_params(tiny):
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer)
+    free = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8))[0][0]
+    piece = tokenizer.decode(free.token_ids[3:4])
+    if piece.strip():
+        cut = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, stop=(piece,)))[0][0]
+        assert cut.finish_reason == "stop" and piece in cut.text and len(cut.token_ids) <= 4
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=0))[0][0].token_ids == ()
+    assert engine.generate([], SamplingParams()) == []
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPTS, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(PROMPTS, SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFEngine(model).generate(PROMPTS, SamplingParams(stop=("x",), max_tokens=2))
+
+
+def test_update_weights_with_a_state_dict():
+    from tracegym.models import load
+
+    model, _ = load("tiny-random")
+    trainer_model, _ = load("tiny-random")
+    engine = HFEngine(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    before = engine.generate(PROMPTS, greedy)
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.update_weights(trainer_model.state_dict())
+    after = engine.generate(PROMPTS, greedy)
+    assert after != before
+    assert engine.model is model  # copied in place, not swapped
+    assert after == HFEngine(trainer_model).generate(PROMPTS, greedy)
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.update_weights({"not.a.weight": torch.zeros(1)})
+    with pytest.raises(TypeError):
+        engine.update_weights([1, 2])
+
+
+def test_update_weights_with_a_lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    from tracegym.models import load
+
+    model, _ = load("tiny-random")
+    engine = HFEngine(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    before = engine.generate(PROMPTS, greedy)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    peft_model.train()
+    engine.update_weights(peft_model)
+    # a fresh adapter has B = 0: same outputs; the engine must not leave train mode changed
+    assert engine.generate(PROMPTS, greedy) == before and peft_model.training
+    # a "training step" on the adapter only: the engine sees it through the shared reference
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    after = engine.generate(PROMPTS, greedy)
+    assert after != before
+    with pytest.raises(ValueError, match="LoRA"):
+        engine.update_weights(peft_model.state_dict())
+
+
+def test_make_engine():
+    engine = make_engine("hf", model="tiny-random")
+    assert isinstance(engine, HFEngine) and engine.tokenizer is not None
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("tgi")
+    with pytest.raises(ValueError, match="model="):
+        make_engine("hf")
+
+
+def test_vllm_missing_gives_the_install_hint():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ImportError, match=r"pip install tracegym\[gpu\]"):
+        make_engine("vllm", model="smollm2-135m")

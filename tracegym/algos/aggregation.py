@@ -1,0 +1,106 @@
+"""Reduce a per-token loss ``[B, T]`` to a scalar, with micro-batch-safe normalisation.
+
+Modes (``mask`` is the target-aligned loss mask, ``n_b = sum_t mask[b, t]``):
+
+- ``token_mean``: ``sum_{b,t} mask*l / sum_{b,t} mask``: every trained token weighs the same
+  (DAPO's token-level loss; long sequences weigh more).
+- ``sequence_mean``: ``(1/S) sum_b (sum_t mask*l / n_b)``: mean over each sequence's tokens, then
+  over the ``S`` sequences that have at least one trained token (the original GRPO/PPO-RLHF form).
+- ``fixed_length_sum``: ``(1/S) sum_b (sum_t mask*l) / L_fixed``: token sums divided by one
+  constant (the generation budget), then averaged over sequences (Dr. GRPO). No length bias.
+
+Gradient accumulation: when a batch is split into micro-batches, the denominators (token count,
+sequence count) must be those of the *full* batch, otherwise a micro-batch with few tokens gets
+too much weight. ``LossNormalizers`` carries the full-batch values; the micro-batch loss is then
+exactly its share of the full-batch loss, and summing the micro-batch gradients gives the
+full-batch gradient. Without normalizers, the tensors given are taken as the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import Tensor
+
+Aggregation = Literal["token_mean", "sequence_mean", "fixed_length_sum"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "fixed_length_sum")
+
+
+@dataclass(frozen=True)
+class LossNormalizers:
+    """Denominators taken from the full batch, so micro-batch losses add up to the batch loss.
+
+    - ``num_tokens``: trained tokens (``sum(loss_mask)``) in the full batch.
+    - ``num_sequences``: rows with at least one trained token in the full batch.
+    - ``weight_sum``: ``sum(loss_mask * weights)`` in the full batch (weighted SFT mean).
+    - ``max_target_length``: padded target length ``T`` of the full batch; the fallback constant of
+      ``fixed_length_sum`` when no fixed length is configured.
+    """
+
+    num_tokens: float
+    num_sequences: float
+    weight_sum: float
+    max_target_length: int
+
+    @staticmethod
+    def from_mask(mask: Tensor, weights: Tensor | None = None) -> "LossNormalizers":
+        """Normalizers of the batch whose target-aligned ``mask`` [B, T] (and weights) is given."""
+        mask = mask.float()
+        weight_sum = float((mask * weights).sum()) if weights is not None else float(mask.sum())
+        return LossNormalizers(
+            num_tokens=float(mask.sum()),
+            num_sequences=float((mask.sum(dim=-1) > 0).sum()),
+            weight_sum=weight_sum,
+            max_target_length=int(mask.shape[-1]),
+        )
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    normalizers: LossNormalizers | None = None,
+    fixed_length: int | None = None,
+    token_weights: Tensor | None = None,
+) -> Tensor:
+    """Scalar from ``per_token`` [B, T] under ``mask`` [B, T] (see the module docstring).
+
+    ``token_weights`` [B, T] multiply the numerator only (e.g. truncated importance weights);
+    the denominators count masked tokens and sequences. An empty mask gives a zero loss that
+    still depends on ``per_token`` (so ``backward`` works and yields zero gradients).
+    """
+    if per_token.shape != mask.shape:
+        raise ValueError(f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} differ in shape")
+    mask = mask.to(per_token.dtype)
+    weighted = per_token * mask if token_weights is None else per_token * mask * token_weights.to(per_token.dtype)
+    norm = normalizers if normalizers is not None else LossNormalizers.from_mask(mask)
+    if mode == "token_mean":
+        return weighted.sum() / max(norm.num_tokens, 1.0)
+    if mode == "sequence_mean":
+        lengths = mask.sum(dim=-1).clamp(min=1.0)  # [B]; rows without tokens contribute 0
+        return (weighted.sum(dim=-1) / lengths).sum() / max(norm.num_sequences, 1.0)
+    if mode == "fixed_length_sum":
+        length = fixed_length if fixed_length is not None else norm.max_target_length
+        if length <= 0:
+            raise ValueError(f"fixed_length must be positive, got {length}")
+        return weighted.sum() / (float(length) * max(norm.num_sequences, 1.0))
+    raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where ``mask`` is set (0 when the mask is empty); for metrics."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_min_max(values: Tensor, mask: Tensor) -> tuple[float, float]:
+    """Min and max of ``values`` where ``mask`` is set ((0, 0) when empty); for metrics."""
+    selected = values[mask.bool()]
+    if selected.numel() == 0:
+        return 0.0, 0.0
+    return float(selected.min()), float(selected.max())
+
+
+__all__ = ["AGGREGATIONS", "Aggregation", "LossNormalizers", "aggregate", "masked_mean", "masked_min_max"]

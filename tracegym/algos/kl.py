@@ -1,0 +1,87 @@
+"""KL penalty to a reference policy: per-token estimators k1, k2, k3 and the two ways to apply them.
+
+Source: John Schulman, "Approximating KL divergence" (blog, 2020). With tokens ``x ~ pi`` and
+``r = pi_ref(x) / pi(x)``:
+
+- ``k1 = -log r``: unbiased for ``KL(pi || pi_ref)``, high variance, can be negative.
+- ``k2 = (log r)^2 / 2``: biased (its expectation is an f-divergence that matches KL to second
+  order), low variance, non-negative.
+- ``k3 = (r - 1) - log r``: unbiased (since ``E_pi[r] = 1``), low variance, non-negative.
+
+Used in the loss (``PolicyLossConfig.kl_penalty = "loss"``) the estimator's gradient flows through
+``logprobs``; used in the reward (``"reward"``) it is a detached penalty on the return.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def _log_r(logprobs: Tensor, ref_logprobs: Tensor, limit: float) -> Tensor:
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ in shape")
+    return (ref_logprobs - logprobs).clamp(-limit, limit)
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor, limit: float = 20.0) -> Tensor:
+    """``k1 = -log r = log pi(x) - log pi_ref(x)``, elementwise."""
+    return -_log_r(logprobs, ref_logprobs, limit)
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor, limit: float = 20.0) -> Tensor:
+    """``k2 = (log r)^2 / 2``, elementwise."""
+    return 0.5 * _log_r(logprobs, ref_logprobs, limit).square()
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, limit: float = 20.0) -> Tensor:
+    """``k3 = exp(log r) - 1 - log r``, elementwise (``expm1`` keeps it accurate near r = 1)."""
+    log_r = _log_r(logprobs, ref_logprobs, limit)
+    return torch.expm1(log_r) - log_r
+
+
+KL_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """The chosen estimator of ``KL(pi || pi_ref)`` at every token, same shape as the inputs."""
+    try:
+        fn = KL_ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}") from None
+    return fn(logprobs, ref_logprobs)
+
+
+def kl_penalized_rewards(
+    rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
+) -> Tensor:
+    """Sequence rewards minus ``beta`` times the summed per-token KL: ``r_i - beta * sum_t kl_{i,t}``.
+
+    Call it on episode rewards *before* the advantage estimator (as in PPO-RLHF, Ouyang et al.
+    2022, and RLOO, Ahmadian et al. 2024). ``rewards`` [N], the rest [N, T]; returns [N], detached.
+    k1 is the usual choice here: summed over a sequence it is the log-likelihood ratio of the whole
+    sample, an unbiased estimate of the sequence-level KL.
+    """
+    if rewards.dim() != 1 or logprobs.dim() != 2 or logprobs.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards must be [N] and logprobs [N, T], got {tuple(rewards.shape)} and {tuple(logprobs.shape)}")
+    with torch.no_grad():
+        kl = kl_per_token(logprobs, ref_logprobs, estimator) * mask.to(logprobs.dtype)
+        return rewards - beta * kl.sum(dim=-1)
+
+
+def kl_penalized_advantages(
+    advantages: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
+) -> Tensor:
+    """Per-token advantages minus ``beta`` times the KL reward-to-go: ``A_t - beta * sum_{t' >= t} kl_t'``.
+
+    Treats ``-beta * kl_t`` as a reward at each generated token (undiscounted) and adds its return
+    to the token's advantage, for advantages that were already computed. All inputs [B, T]
+    (target-aligned); returns [B, T], detached, unchanged where ``mask`` is 0.
+    """
+    with torch.no_grad():
+        m = mask.to(logprobs.dtype)
+        kl = kl_per_token(logprobs, ref_logprobs, estimator) * m
+        to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [B, T]: sum over t' >= t
+        return advantages - beta * to_go * m

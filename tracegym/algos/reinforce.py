@@ -1,0 +1,31 @@
+"""REINFORCE with a batch-mean baseline (groups are ignored).
+
+Source: Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist
+Reinforcement Learning" (REINFORCE with a constant baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tracegym.algos._groups import check_rewards_and_groups
+from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce_advantages(
+    rewards: Tensor, group_ids: Tensor, *, baseline: bool = True, normalize_std: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """``A_i = r_i - mean(r)`` over the whole batch (``baseline=False``: ``A_i = r_i``).
+
+    ``normalize_std=True`` divides by ``std(r) + eps`` over the batch (population std), the
+    "whitening" common in REINFORCE-style RLHF code. ``group_ids`` is accepted for the common
+    signature and only checked for shape. ``rewards`` [N]; returns [N].
+    """
+    check_rewards_and_groups(rewards, group_ids)
+    advantages = rewards - rewards.mean() if baseline else rewards.clone()
+    if normalize_std:
+        std = rewards.std(correction=0)
+        advantages = advantages / (std + eps) if std > 0 else torch.zeros_like(advantages)
+    return advantages

@@ -1,0 +1,129 @@
+"""``tracegym compare DIR1 DIR2 ...``: several evaluations side by side, one table and one plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+NAME = "compare"
+HELP = "Compare evaluations (eval.json folders): a pass@k / success / cost table and an overlay plot."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="folders holding eval.json (or eval.json files)")
+    parser.add_argument("--labels", default=None, help="comma-separated names, one per DIR (default: folder names)")
+    parser.add_argument("--out", default=None,
+                        help="folder for compare.png and compare.json (default: the inputs' common parent folder)")
+    parser.add_argument("--turns", type=int, default=None,
+                        help="turn budget T to compare at (default: the largest T every evaluation has)")
+    parser.add_argument("--k", type=int, default=None, help="k of the pass@k column (default: the largest common k)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the paired bootstrap (default 0)")
+
+
+def _common(summaries: list[dict[str, Any]], what: str) -> list[int]:
+    sets = []
+    for s in summaries:
+        if what == "turns":
+            sets.append({int(t) for t in s["pass_at"]})
+        else:
+            sets.append({int(k) for row in s["pass_at"].values() for k in row})
+    return sorted(set.intersection(*sets))
+
+
+def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None = None, k: int | None = None,
+            seed: int = 0) -> dict[str, Any]:
+    """Load the evaluations and build the comparison (rows, chosen T and k, paired differences)."""
+    from tracegym.eval.evaluate import load_eval
+    from tracegym.eval.metrics import paired_bootstrap_diff
+    from tracegym.eval.report import eval_row
+
+    paths = [Path(d) for d in dirs]
+    summaries = [load_eval(p) for p in paths]
+    if labels is None:
+        labels = [(p if p.is_dir() else p.parent).resolve().name for p in paths]
+    if len(labels) != len(paths):
+        raise ValueError(f"{len(labels)} labels for {len(paths)} evaluations")
+    common_t = _common(summaries, "turns")
+    if turns is None:
+        if not common_t:
+            raise ValueError("the evaluations share no turn budget T; pass --turns")
+        turns = common_t[-1]
+    elif turns not in common_t:
+        raise ValueError(f"not every evaluation has T={turns}; shared budgets: {common_t}")
+    common_k = _common(summaries, "ks")
+    if k is None:
+        k = common_k[-1] if common_k else 1
+    notes = []
+    for field in ("env", "split"):
+        values = {str(s.get(field)) for s in summaries}
+        if len(values) > 1:
+            notes.append(f"the evaluations differ in {field}: {sorted(values)}")
+
+    rows = []
+    base = summaries[0]
+    for summary, label in zip(summaries, labels):
+        row = eval_row(summary, label, turn=turns, k=k)
+        row["Δpass@1"] = "–"
+        if summary is not base and "per_task" in summary and "per_task" in base:
+            a = {t: (v["n"], v["solved"][str(turns)]) for t, v in base["per_task"].items()}
+            b = {t: (v["n"], v["solved"][str(turns)]) for t, v in summary["per_task"].items()}
+            try:
+                diff, low, high, shared = paired_bootstrap_diff(a, b, 1, seed=seed)
+                row["Δpass@1"] = f"{diff:+.3f} [{low:+.3f}, {high:+.3f}] on {shared}"
+            except ValueError as e:  # no shared task ids
+                row["Δpass@1"] = "–"
+                notes.append(f"{label}: {e}")
+        rows.append(row)
+    return {"turns": turns, "k": k, "labels": labels, "rows": rows, "notes": notes, "summaries": summaries,
+            "baseline": labels[0]}
+
+
+def _default_out(dirs: list[str]) -> Path:
+    folders = [str((Path(d) if Path(d).is_dir() else Path(d).parent).resolve()) for d in dirs]
+    return Path(os.path.commonpath(folders))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tracegym.eval.evaluate import atomic_write_text
+    from tracegym.eval.plots import compare_figure, save_figure
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    try:
+        result = compare(args.dirs, labels, args.turns, args.k, args.seed)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    first = result["summaries"][0]
+    console.print(f"env [bold]{first.get('env')}[/bold] · split [bold]{first.get('split')}[/bold] · "
+                  f"T={result['turns']} · 95% bootstrap intervals over tasks · Δ: paired, vs {result['baseline']}")
+    columns = ["label", "model", "tasks", "pass@1", "pass@k", "Δpass@1", "success", "turns", "tokens", "tool calls",
+               "invalid calls", "conv EM"]
+    table = Table(show_lines=True)
+    for col in columns:
+        header = f"pass@{result['k']}" if col == "pass@k" else col
+        table.add_column(header, justify="left" if col in ("label", "model") else "right")
+    for row in result["rows"]:
+        # "0.458 [0.250, 0.625]" -> value over interval, to keep columns narrow
+        cells = [row[c].replace(f"k={result['k']}: ", "").replace(" [", "\n[", 1) for c in columns]
+        table.add_row(*cells)
+    console.print(table)
+    for note in result["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+    out = Path(args.out) if args.out else _default_out(args.dirs)
+    out.mkdir(parents=True, exist_ok=True)
+    plot = save_figure(compare_figure(result["summaries"], result["labels"], turn=result["turns"]), out / "compare.png")
+    payload = {k: v for k, v in result.items() if k != "summaries"}
+    payload["inputs"] = [str(Path(d).resolve()) for d in args.dirs]
+    atomic_write_text(out / "compare.json", json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+    console.print(f"wrote {plot} and {out / 'compare.json'}")
+    return 0

@@ -1,0 +1,52 @@
+"""``tracegym sft``: supervised fine-tuning on recorded trajectories.
+
+    tracegym sft --config examples/sft_calculator.yaml
+    tracegym sft --config examples/sft_calculator.yaml lora.r=8 optim.lr=1e-4 max_steps=50
+    tracegym sft --config examples/sft_calculator.yaml --resume
+    tracegym sft --config examples/sft_calculator.yaml --print-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "sft"
+HELP = "Supervised fine-tuning (LoRA or full) on trajectory JSONL files, from a YAML config."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", required=True, metavar="FILE", help="run config (YAML, see examples/)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="config overrides, VALUE parsed as YAML: lora.r=8 optim.lr=1e-4 data.train_files=[a.jsonl]",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from tracegym.config import ConfigError, SFTConfig, load_config
+
+    try:
+        cfg = load_config(SFTConfig, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+
+    from tracegym.recipes.sft import train_sft
+
+    try:
+        result = train_sft(cfg, resume=args.resume)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    last = result.history[-1] if result.history else {}
+    loss = f", final loss {last['loss']:.4f}" if "loss" in last else ""
+    print(f"sft done: {result.step} steps{loss}; model in {result.final_dir}; metrics in {result.run_dir / 'metrics.jsonl'}")
+    return 0

@@ -1,0 +1,619 @@
+"""Run configuration: one YAML file per run, validated into typed pydantic models.
+
+A run is described by one file (``examples/sft_calculator.yaml``) plus optional command-line
+overrides ``key.sub=value`` whose values are parsed as YAML (``lora.r=8``, ``optim.lr=1e-4``,
+``data.train_files=[a.jsonl,b.jsonl]``). Every field carries a docstring that doubles as its
+description (``use_attribute_docstrings``), so ``docs/configuration.md`` and error messages say the
+same thing as the code.
+
+Mistakes are reported before any model is loaded, as one ``ConfigError`` listing every problem:
+
+- an unknown key names its dotted location, the file line, the nearest valid key and all valid keys;
+- a bad value names the key, what was given and what is allowed (``Literal`` choices listed).
+
+``dump_config`` writes the resolved config (defaults filled in, overrides applied) into the run
+directory so a run can be reproduced from its folder alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "LoraConfig",
+    "OptimConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "SFTDataConfig",
+    "SFTConfig",
+    "EnvConfig",
+    "TasksConfig",
+    "RLRolloutConfig",
+    "AdvantageConfig",
+    "RLEvalConfig",
+    "RLConfig",
+    "load_config",
+    "parse_overrides",
+    "apply_overrides",
+    "dump_config",
+]
+
+
+class _Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings become descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        validate_default=True,
+    )
+
+
+# --- shared sections --------------------------------------------------------------------------
+
+
+class ModelConfig(_Section):
+    name: str = "smollm2-135m"
+    """Model to train: a known name (``smollm2-135m``, ``tiny-random``) or a local Hugging Face folder."""
+
+    renderer: str | None = None
+    """Chat-template renderer (``smollm2``, ``hermes``); None picks the one that matches the model name."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training. float32 on CPU; bfloat16 on recent GPUs."""
+
+    adapter: str | None = None
+    """A peft LoRA adapter folder to load on top of the model and keep training (e.g. the ``final/``
+    folder of an SFT run, as the cold start of RL). Requires ``lora.enabled``."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about 30% more compute."""
+
+
+class LoraConfig(_Section):
+    enabled: bool = True
+    """Train a LoRA adapter (True) or every weight of the model (False, full fine-tuning)."""
+
+    r: int = Field(16, gt=0)
+    """Rank of the low-rank update matrices."""
+
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator: the update is scaled by ``alpha / r``."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input. 0 keeps training deterministic and resumable bit for bit."""
+
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get adapters: ``all-linear`` (every linear layer but the output head; for Llama
+    q/k/v/o and gate/up/down projections) or a list of module names."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(2e-4, gt=0)
+    """Peak learning rate of AdamW."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay of AdamW (not applied to biases and norm weights)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates (beta1, beta2)."""
+
+    eps: float = Field(1e-8, gt=0)
+    """AdamW denominator epsilon."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup: constant, linear decay to 0, or cosine decay to 0."""
+
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient L2 norm to this value; None disables clipping (the norm is still logged)."""
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every this many optimizer steps (0: only at the end)."""
+
+    keep_last: int = Field(2, ge=1)
+    """Number of most recent checkpoints kept on disk; older ones are deleted."""
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files into ``<output_dir>/tensorboard``."""
+
+    wandb: bool = False
+    """Also log to Weights & Biases (the ``wandb`` package must be installed)."""
+
+    wandb_project: str = "tracegym"
+    """W&B project name (used only when ``wandb`` is true)."""
+
+    progress: bool = True
+    """Show a progress bar with ETA on the terminal."""
+
+    log_every: int = Field(1, ge=1)
+    """Write metrics every this many optimizer steps (metrics.jsonl, TensorBoard, W&B)."""
+
+
+# --- SFT --------------------------------------------------------------------------------------
+
+
+class SFTDataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    """Trajectory JSONL files to train on (written by the rollout runner, e.g. expert runs)."""
+
+    eval_files: list[str] = Field(default_factory=list)
+    """Trajectory JSONL files for the held-out loss (empty: no evaluation)."""
+
+    only_successful: bool = True
+    """Keep only trajectories with ``success`` true (rejection sampling of recorded runs)."""
+
+    min_reward: float | None = None
+    """If set, keep only trajectories whose episode reward is at least this."""
+
+    max_examples: int | None = Field(None, gt=0)
+    """If set, use at most this many training examples (after filtering), for quick runs."""
+
+    shuffle: bool = True
+    """Shuffle examples every epoch (the order is a pure function of ``seed`` and the epoch)."""
+
+
+class SFTConfig(_Section):
+    """Supervised fine-tuning on recorded trajectories (``tracegym sft``)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model to fine-tune."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapter or full fine-tuning."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    """Where the training trajectories come from and which are kept."""
+
+    epochs: int = Field(1, ge=1)
+    """Passes over the training examples (ignored when ``max_steps`` is set)."""
+
+    max_steps: int | None = Field(None, gt=0)
+    """If set, train exactly this many optimizer steps, cycling through epochs as needed."""
+
+    batch_size: int = Field(8, gt=0)
+    """Examples per optimizer step."""
+
+    micro_batch_size: int = Field(4, gt=0)
+    """Examples per forward/backward pass; gradients are accumulated over ``batch_size / micro_batch_size`` passes."""
+
+    max_length: int = Field(2048, gt=0)
+    """Longest example in tokens; longer examples are dropped (and counted), never silently cut."""
+
+    seed: int = 0
+    """Seed for Python, NumPy and torch RNGs and the data order."""
+
+    eval_every: int = Field(0, ge=0)
+    """Compute the loss on ``data.eval_files`` every this many steps (0: only after the last step)."""
+
+    eval_batch_size: int = Field(8, gt=0)
+    """Examples per forward pass during evaluation."""
+
+    output_dir: str = "runs/sft"
+    """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, final/."""
+
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Periodic resumable checkpoints."""
+
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics sinks and the progress bar."""
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> "SFTConfig":
+        if self.batch_size % self.micro_batch_size != 0:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.model.adapter and not self.lora.enabled:
+            raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
+        return self
+
+
+# --- RL ---------------------------------------------------------------------------------------
+
+
+class EnvConfig(_Section):
+    name: str = "calculator"
+    """Registered environment id (``tracegym envs`` lists them)."""
+
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options passed to the environment's constructor (difficulty, max_turns, ...)."""
+
+
+class TasksConfig(_Section):
+    train: int = Field(256, gt=0)
+    """Number of training tasks drawn from the env's train split."""
+
+    test: int = Field(64, ge=0)
+    """Number of held-out tasks from the env's test split used for evaluation."""
+
+    seed: int = 0
+    """Seed of the task draw (the same seed gives the same tasks)."""
+
+
+class RLRolloutConfig(_Section):
+    """Sampling and episode limits. Apart from ``engine``/``engine_options`` the names are those of
+    ``tracegym.rollout.RolloutConfig``, so the recipe builds it with ``model_dump(exclude=...)``
+    plus ``samples_per_task=group_size`` and ``seed``."""
+
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    """Inference engine for sampling: hf (CPU, in-process), vllm (GPU), openai (HTTP server)."""
+
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options for the engine (base_url, gpu_memory_utilization, ...)."""
+
+    max_turns: int = Field(4, gt=0)
+    """Turn limit T: assistant turns per episode before it is cut (end reason ``max_turns``)."""
+
+    max_tokens_per_turn: int = Field(256, gt=0)
+    """Most tokens sampled in one assistant turn."""
+
+    max_tokens_per_episode: int | None = Field(None, gt=0)
+    """Generated-token budget of one episode (end reason ``max_tokens``); None: no budget."""
+
+    max_context: int | None = Field(2048, gt=0)
+    """Context window: prompt + completion never exceed it (end reason ``context``)."""
+
+    episode_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock limit of one episode in seconds (end reason ``timeout``)."""
+
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature for training rollouts (1.0 keeps engine and trainer log-probs comparable)."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold (1.0: off)."""
+
+    concurrency: int = Field(64, gt=0)
+    """Episodes alive at once (also the largest generate batch)."""
+
+    on_env_error: Literal["exclude", "zero_reward"] = "exclude"
+    """Failed episodes (env error, timeout, engine error): left out of the update, or kept with reward 0."""
+
+    measure_logprob_gap: bool = False
+    """Re-score sampled tokens with the trainer and log mean/max |engine - trainer| log-prob gap."""
+
+
+class AdvantageConfig(_Section):
+    estimator: str = "grpo"
+    """Advantage estimator registered in ``tracegym.algos`` (e.g. grpo, rloo, reinforce)."""
+
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options of the estimator (e.g. ``normalize_std: false`` for Dr. GRPO)."""
+
+
+class RLEvalConfig(_Section):
+    every: int = Field(10, ge=0)
+    """Evaluate on the test tasks every this many steps (0: only before the first and after the last step)."""
+
+    samples_per_task: int = Field(1, gt=0)
+    """Samples k per test task, for pass@k."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature for evaluation (0: greedy)."""
+
+    at_start: bool = True
+    """Also evaluate the initial policy before the first step (the baseline of the curve)."""
+
+
+class RLConfig(_Section):
+    """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model; set ``model.adapter`` to start from an SFT adapter (cold start)."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapter or full fine-tuning."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """The environment and its options."""
+
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    """How many train/test tasks are drawn, and with which seed."""
+
+    tasks_per_step: int = Field(8, gt=0)
+    """Distinct tasks sampled per optimizer step (prompts per batch)."""
+
+    group_size: int = Field(8, gt=0)
+    """Samples per task (the group that group-relative advantages compare)."""
+
+    rollout: RLRolloutConfig = Field(default_factory=RLRolloutConfig)
+    """Sampling and episode limits during training."""
+
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """How episode rewards become advantages."""
+
+    policy_loss: dict[str, Any] = Field(default_factory=dict)
+    """Options of the policy loss, validated by ``tracegym.algos.config.PolicyLossConfig`` when the
+    recipe starts: ``loss`` (ppo_clip, gspo, policy_gradient), clip ranges, ``aggregation``,
+    ``kl_coef`` (KL to the reference policy; 0 skips the reference model), ``tis_cap``, ... ."""
+
+    skip_uniform_groups: bool = True
+    """Drop groups whose rewards are all equal (zero advantage: no learning signal, only cost)."""
+
+    ppo_epochs: int = Field(1, gt=0)
+    """Optimizer passes K over each batch of rollouts (K > 1 makes the update off-policy; clipping applies)."""
+
+    micro_batch_size: int = Field(4, gt=0)
+    """Sequences per forward/backward pass; gradients accumulate over the whole batch."""
+
+    steps: int = Field(100, gt=0)
+    """Optimizer rounds (each: rollouts, advantages, ``ppo_epochs`` updates, weight sync)."""
+
+    max_length: int = Field(4096, gt=0)
+    """Longest training sequence in tokens; longer episodes are dropped from the update and counted."""
+
+    eval: RLEvalConfig = Field(default_factory=RLEvalConfig)
+    """Periodic evaluation on held-out tasks."""
+
+    seed: int = 0
+    """Seed for Python, NumPy and torch RNGs and task order."""
+
+    output_dir: str = "runs/rl"
+    """Run directory: config.yaml, metrics.jsonl, rollouts, tensorboard/, checkpoints/, final/."""
+
+    save_rollouts: bool = True
+    """Write every training trajectory to ``<output_dir>/rollouts/step_<n>.jsonl``."""
+
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Periodic resumable checkpoints."""
+
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics sinks and the progress bar."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RLConfig":
+        if self.model.adapter and not self.lora.enabled:
+            raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
+        return self
+
+
+# --- loading, errors, overrides ---------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """Every problem of a config at once, one readable line (or short block) per problem."""
+
+    def __init__(self, problems: Sequence[str], source: str = "config"):
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(f"invalid {source}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def _section_at(cls: type[BaseModel], loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The config class found by following ``loc`` (field names) down from ``cls``."""
+    current: type[BaseModel] | None = cls
+    for part in loc:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return current
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _yaml_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Map each key path of a YAML mapping document to its 1-based line number."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = prefix + (str(key_node.value),)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _describe_errors(
+    cls: type[BaseModel],
+    error: ValidationError,
+    where: Mapping[tuple[str, ...], str],
+) -> list[str]:
+    """Turn pydantic's errors into messages that name the key, where it is, and what is allowed."""
+    problems: list[str] = []
+    # A union field (``list[str] | Literal["all-linear"]``) fails once per branch, with the branch
+    # tag (``list[str]``) inside the location: merge those into one message per key.
+    merged: dict[tuple, list[dict]] = {}
+    for err in error.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "(" in p)))
+        merged.setdefault(loc, []).append(err)
+    for loc, errs in merged.items():
+        key_path = tuple(str(p) for p in loc)
+        origin = where.get(key_path, "")
+        at = f" ({origin})" if origin else ""
+        first = errs[0]
+        if first["type"] == "extra_forbidden":
+            section = _section_at(cls, loc[:-1])
+            allowed = sorted(section.model_fields) if section else []
+            bad = str(loc[-1])
+            near = difflib.get_close_matches(bad, allowed, n=1, cutoff=0.0)
+            hint = f"; did you mean '{_dotted(loc[:-1] + (near[0],))}'?" if near else ""
+            problems.append(f"unknown key '{_dotted(loc)}'{at}{hint} allowed keys here: {', '.join(allowed)}")
+            continue
+        got = first.get("input")
+        given = "" if isinstance(got, dict) else f", got {got!r}"
+        message = " or ".join(dict.fromkeys(e["msg"] for e in errs))
+        problems.append(f"bad value for '{_dotted(loc)}'{at}: {message}{given}")
+    return problems
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` as a float.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (``1.0e-4``) and ``1e-4`` is a string;
+    learning rates are written the short way, so floats are resolved as in YAML 1.2.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[tuple[str, ...], Any, str]]:
+    """``["lora.r=8", "optim.lr=1e-4"]`` -> ``[(("lora", "r"), 8, "lora.r=8"), ...]``.
+
+    Values are parsed as YAML, so ``8`` is an int, ``1e-4`` a float, ``null`` None and
+    ``[a,b]`` a list; quote a value to keep it a string (``model.name='123'``).
+    """
+    parsed = []
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"override {item!r} is not of the form key.sub=value")
+            continue
+        try:
+            value = _yaml_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problems.append(f"override {item!r}: value is not valid YAML ({exc.__class__.__name__})")
+            continue
+        parsed.append((tuple(key.split(".")), value, item))
+    if problems:
+        raise ConfigError(problems, "command-line overrides")
+    return parsed
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str], where: dict[tuple[str, ...], str] | None = None
+) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a raw config dict (a new dict; ``data`` is not changed).
+
+    ``where`` (if given) records that each overridden key came from the command line, for errors.
+    """
+    import copy
+
+    result = copy.deepcopy(data)
+    for path, value, item in parse_overrides(overrides):
+        node = result
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    [f"override {item!r}: '{'.'.join(path[: i + 1])}' is a value ({child!r}), not a section"],
+                    "command-line overrides",
+                )
+            node = child
+        node[path[-1]] = value
+        if where is not None:
+            where[path] = f"command line {item!r}"
+    return result
+
+
+def load_config(
+    cls: type[C],
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    data: Mapping[str, Any] | None = None,
+) -> C:
+    """Read a YAML file (or ``data``), apply overrides, validate into ``cls``.
+
+    Raises ``ConfigError`` naming every bad key (with file line or override, nearest valid key and
+    the allowed keys) and every bad value (with the allowed values).
+    """
+    where: dict[tuple[str, ...], str] = {}
+    source = "config"
+    raw: Any = dict(data or {})
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError([f"config file not found: {path}"], source)
+        text = path.read_text(encoding="utf-8")
+        try:
+            raw = _yaml_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"not valid YAML: {exc}"], source) from None
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise ConfigError([f"the top level must be a mapping of keys, got {type(raw).__name__}"], source)
+        where = {k: f"{path}:{line}" for k, line in _yaml_lines(text).items()}
+    raw = apply_overrides(raw, overrides, where)
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe_errors(cls, exc, where), source) from None
+
+
+def dump_config(config: BaseModel, run_dir: str | Path, name: str = "config.yaml") -> Path:
+    """Write the resolved config (every default filled in) as YAML into ``run_dir``; returns the path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / name
+    header = f"# resolved {type(config).__name__}: defaults filled in, overrides applied\n"
+    body = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(header + body, encoding="utf-8")
+    tmp.replace(target)
+    return target
+
+
+def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) for every field, sections expanded; used by the docs."""
+    rows = []
+    for name, field in cls.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.append((key, "section", "", field.description or ""))
+            rows.extend(describe_fields(annotation, key + "."))
+            continue
+        type_name = str(annotation).replace("typing.", "")
+        if isinstance(annotation, type):
+            type_name = annotation.__name__
+        default = field.get_default(call_default_factory=True)
+        rows.append((key, type_name, repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,122 @@
+"""Trajectory store: JSONL on disk, one ``Trajectory`` per line, flushed per row.
+
+The rollout runner writes each trajectory the moment its episode ends, so a crash loses at most
+the episodes still in flight; a line torn by a crash mid-write is skipped by the reader.
+``export_parquet`` turns a JSONL file into a Parquet table (one row per trajectory: the summary
+columns for quick filtering plus the full trajectory as JSON) for analysis tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import IO, Iterable, Iterator
+
+from tracegym.types import Trajectory
+
+__all__ = ["TrajectoryWriter", "read_trajectories", "export_parquet"]
+
+
+class TrajectoryWriter:
+    """Append trajectories to a JSONL file, one line each, flushed (and optionally fsynced) per row.
+
+    Thread-safe (a lock around each line). Use as a context manager or call ``close``.
+    ``append=False`` truncates an existing file.
+    """
+
+    def __init__(self, path: str | Path, append: bool = False, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def write(self, trajectory: Trajectory) -> None:
+        line = trajectory.model_dump_json() + "\n"
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"TrajectoryWriter({self.path}) is closed")
+            self._file.write(line)
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
+            self.count += 1
+
+    def write_all(self, trajectories: Iterable[Trajectory]) -> int:
+        n = 0
+        for t in trajectories:
+            self.write(t)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> "TrajectoryWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TrajectoryWriter({str(self.path)!r}, count={self.count})"
+
+
+def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
+    """Read a JSONL trajectory file; a torn (partial) line from a crash is skipped, a line that is
+    valid JSON but not a Trajectory raises (that is a bug, not a crash artefact)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            yield Trajectory.model_validate(data)
+
+
+def export_parquet(jsonl_path: str | Path, parquet_path: str | Path) -> int:
+    """Write a Parquet table from a JSONL trajectory file; returns the number of rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows: dict[str, list] = {
+        k: []
+        for k in (
+            "env", "task_id", "split", "sample_index", "policy", "reward", "success", "end_reason",
+            "error", "num_turns", "num_generated_tokens", "trajectory_json",
+        )
+    }
+    for t in read_trajectories(jsonl_path):
+        rows["env"].append(t.env)
+        rows["task_id"].append(t.task_id)
+        rows["split"].append(t.split)
+        rows["sample_index"].append(t.sample_index)
+        rows["policy"].append(t.policy)
+        rows["reward"].append(float(t.reward))
+        rows["success"].append(bool(t.success))
+        rows["end_reason"].append(t.end_reason)
+        rows["error"].append(t.error)
+        rows["num_turns"].append(len(t.turns))
+        rows["num_generated_tokens"].append(t.num_generated_tokens)
+        rows["trajectory_json"].append(t.model_dump_json())
+    schema = pa.schema(
+        [
+            ("env", pa.string()), ("task_id", pa.string()), ("split", pa.string()),
+            ("sample_index", pa.int64()), ("policy", pa.string()), ("reward", pa.float64()),
+            ("success", pa.bool_()), ("end_reason", pa.string()), ("error", pa.string()),
+            ("num_turns", pa.int64()), ("num_generated_tokens", pa.int64()), ("trajectory_json", pa.string()),
+        ]
+    )
+    table = pa.table(rows, schema=schema)
+    Path(parquet_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, parquet_path)
+    return table.num_rows

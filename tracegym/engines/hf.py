@@ -1,0 +1,262 @@
+"""The default CPU engine: batched sampling with Hugging Face transformers and a KV cache.
+
+Why our own decode loop rather than ``model.generate``: we need the log-prob of every sampled token
+under the exact distribution it was drawn from (after temperature and top-p), per-sequence finish
+reasons, and we want finished sequences to leave the batch so the remaining ones decode faster.
+``generate(output_scores=True)`` returns processed scores but keeps finished rows in the batch until
+the longest one ends. The loop here is a plain prefill + one-token decode steps over a
+``DynamicCache``; rows that finish are removed from the cache with ``batch_select_indices``.
+
+Left padding: prompts of different lengths are left-padded, with an attention mask and explicit
+``position_ids`` (cumulative sum of the mask), so a padded row sees exactly the positions it would
+see alone. In fp32 the returned log-probs equal a teacher-forced forward pass of the unpadded
+sequence to ~1e-6 (tested).
+
+Weight sync (``update_weights``): the engine holds a *reference* to a module. Passing the trainer's
+module (a plain model or a peft/LoRA ``PeftModel``) makes the engine generate with it directly: no
+copy, no reload from disk, LoRA adapters applied by peft's forward. Passing a state dict copies the
+tensors into the engine's own model in place (``load_state_dict``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from tracegym.engines.base import Engine
+from tracegym.types import FinishReason, Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs of the sampling distribution, in fp32.
+
+    logits: [..., V]. Temperature 0 means greedy: the unscaled softmax is returned (the log-prob
+    we report for the argmax token). Otherwise ``softmax(logits / T)`` restricted to the top-p
+    nucleus (the smallest set of most likely tokens whose mass reaches ``top_p``, at least one
+    token), renormalised; tokens outside the nucleus get ``-inf``.
+    """
+    logits = logits.float()
+    if temperature <= 0.0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # mass strictly before each token; a token is kept while that mass is < top_p
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def validate_params(params: SamplingParams) -> None:
+    """Reject parameters that have no meaning, with a message naming the field."""
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {params.max_tokens}")
+    if params.n < 1:
+        raise ValueError(f"n must be >= 1, got {params.n}")
+
+
+class HFEngine(Engine):
+    """Batched sampler over a transformers causal LM (CPU or whatever device the model is on).
+
+    Args:
+        model: a ``PreTrainedModel`` (or a peft model wrapping one).
+        tokenizer: optional; needed only for ``SamplingParams.stop`` strings and for
+            ``Generation.text``.
+        stop_token_ids: ids that always end a sequence (e.g. the renderer's end-of-turn ids), in
+            addition to ``SamplingParams.stop_token_ids``.
+        max_batch_size: rows decoded together; larger requests are split into chunks.
+        pad_token_id: any id; padded positions are masked out, so the value does not matter.
+    """
+
+    name = "hf"
+    returns_logprobs = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any | None = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        max_batch_size: int = 64,
+        pad_token_id: int = 0,
+    ):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self.forward_calls = 0  # model forward passes so far (benchmarks and tests read it)
+
+    def __repr__(self) -> str:
+        return f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size})"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        validate_params(params)
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        # one row per (prompt, sample); rows sorted by length so each chunk carries little padding
+        rows = [(pi, list(map(int, p))) for pi, p in enumerate(prompts) for _ in range(params.n)]
+        order = sorted(range(len(rows)), key=lambda r: -len(rows[r][1]))
+        generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            generator.manual_seed(int(params.seed))
+        else:
+            generator.seed()
+        results: list[Generation | None] = [None] * len(rows)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(order), self.max_batch_size):
+                    chunk = order[start : start + self.max_batch_size]
+                    outs = self._generate_chunk([rows[r][1] for r in chunk], params, generator)
+                    for r, g in zip(chunk, outs):
+                        results[r] = g
+        finally:
+            if was_training:
+                self.model.train()
+        grouped: list[list[Generation]] = [[] for _ in prompts]
+        for (pi, _), g in zip(rows, results):
+            assert g is not None
+            grouped[pi].append(g)
+        return grouped
+
+    def _forward(self, **kw: Any) -> torch.Tensor:
+        self.forward_calls += 1
+        out = self.model(use_cache=True, logits_to_keep=1, **kw)
+        return out.logits[:, -1, :]  # [B, V]
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Generation]:
+        from transformers import DynamicCache
+
+        device = self.device
+        n_rows = len(prompts)
+        stop_ids = set(self.stop_token_ids) | set(params.stop_token_ids)
+        tokens: list[list[int]] = [[] for _ in range(n_rows)]
+        logps: list[list[float]] = [[] for _ in range(n_rows)]
+        finish: list[FinishReason] = ["length"] * n_rows
+        if params.max_tokens == 0:
+            return [self._make_generation(t, lp, "length") for t, lp in zip(tokens, logps)]
+
+        max_len = max(len(p) for p in prompts)
+        input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, max_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, max_len - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # position of each real token in its own sequence; pads get 0 (masked anyway)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        cache = DynamicCache(config=getattr(self.model, "config", None))
+        logits = self._forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
+        )
+        alive = list(range(n_rows))  # row index of each batch position still decoding
+        next_pos = position_ids[:, -1:] + 1  # [B, 1]
+        greedy = params.temperature <= 0.0
+        while True:
+            lp_all = sampling_logprobs(logits, params.temperature, params.top_p)  # [B, V]
+            if greedy:
+                chosen = torch.argmax(logits, dim=-1)  # [B]
+            else:
+                chosen = torch.multinomial(lp_all.exp().cpu(), 1, generator=generator).squeeze(-1).to(device)
+            chosen_lp = lp_all.gather(-1, chosen[:, None]).squeeze(-1)  # [B]
+            keep: list[int] = []
+            for b, (tok, lp) in enumerate(zip(chosen.tolist(), chosen_lp.tolist())):
+                row = alive[b]
+                tokens[row].append(tok)
+                logps[row].append(lp)
+                if tok in stop_ids or (params.stop and self._hits_stop_string(tokens[row], params.stop)):
+                    finish[row] = "stop"
+                elif len(tokens[row]) >= params.max_tokens:
+                    finish[row] = "length"
+                else:
+                    keep.append(b)
+            if not keep:
+                break
+            if len(keep) < len(alive):
+                # finished rows leave the batch: shrink the cache and the mask to the survivors
+                keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(keep_t)
+                attention_mask = attention_mask[keep_t]
+                next_pos = next_pos[keep_t]
+                chosen = chosen[keep_t]
+                alive = [alive[b] for b in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(alive), 1))], dim=-1)
+            logits = self._forward(
+                input_ids=chosen[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_pos,
+                cache=cache,
+            )
+            next_pos = next_pos + 1
+        return [self._make_generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish)]
+
+    def _hits_stop_string(self, tokens: list[int], stops: Sequence[str]) -> bool:
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.stop (strings) needs an HFEngine built with a tokenizer")
+        # a stop string can only have been completed by the last token: look at a short tail
+        tail = self.tokenizer.decode(tokens[-32:], skip_special_tokens=False)
+        return any(s and s in tail for s in stops)
+
+    def _make_generation(self, tokens: list[int], logps: list[float], finish: FinishReason) -> Generation:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False) if self.tokenizer is not None else None
+        return Generation(token_ids=tuple(tokens), logprobs=tuple(logps), finish_reason=finish, text=text)
+
+    # -- weight sync -----------------------------------------------------------------------------
+    def update_weights(self, model_or_state: Any) -> None:
+        """Take the trainer's weights without touching the disk.
+
+        - a ``torch.nn.Module`` (plain or peft/LoRA): the engine generates with that very object
+          from now on (a reference, so later in-place optimizer steps are seen too);
+        - a mapping name -> tensor: copied into the engine's model in place. Keys may carry peft's
+          ``base_model.model.`` prefix; LoRA factor tensors are refused (pass the peft model, or
+          merge the adapter first), as are names the model does not have.
+        """
+        if isinstance(model_or_state, torch.nn.Module):
+            self.model = model_or_state
+            return
+        if not isinstance(model_or_state, Mapping):
+            raise TypeError(f"update_weights takes a torch.nn.Module or a state dict, got {type(model_or_state).__name__}")
+        lora_keys = [k for k in model_or_state if "lora_" in k]
+        if lora_keys:
+            raise ValueError(
+                f"state dict holds LoRA factors ({lora_keys[0]}, ...); pass the peft model itself or merge the adapter first"
+            )
+        own = self.model.state_dict()
+        state: dict[str, torch.Tensor] = {}
+        for key, value in model_or_state.items():
+            name = key
+            if name not in own and name.startswith("base_model.model."):
+                name = name[len("base_model.model.") :]
+            name = name.replace(".base_layer.", ".")
+            if name not in own:
+                raise KeyError(f"update_weights: the engine's model has no parameter {key!r}")
+            state[name] = value
+        with torch.no_grad():
+            missing = self.model.load_state_dict(state, strict=False).missing_keys
+        log.debug("update_weights: %d tensors loaded, %d left unchanged", len(state), len(missing))

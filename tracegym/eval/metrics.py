@@ -1,0 +1,238 @@
+"""Sampling metrics: pass@k, pass@(k,T), success rate, bootstrap confidence intervals.
+
+pass@k (Chen et al. 2021) is the probability that at least one of k samples drawn without
+replacement from the n samples of a task is correct. With c correct samples it is
+
+    pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+
+The product form never builds the huge binomials, so it stays exact in floating point for large n.
+The estimator is unbiased for the pass@k of the sampling policy when k <= n.
+
+pass@(k,T) adds the interaction budget T: a sample counts as solved at budget T iff it succeeded
+and used at most T assistant turns. All T come from one set of n samples per task run at the
+largest T. That is exact when the agent's first T turns do not depend on the turn limit (the
+prompt does not state it), because a run cut at T is then the prefix of the run at the largest T.
+
+Everything here is a pure function of counts or per-task outcomes; no file I/O, no plotting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tracegym.types import Trajectory
+
+__all__ = [
+    "TaskOutcomes",
+    "assistant_turns",
+    "bootstrap_ci",
+    "bootstrap_ci_matrix",
+    "group_by_task",
+    "mean_pass_at_k",
+    "paired_bootstrap_diff",
+    "pass_at_k",
+    "pass_at_k_t",
+    "pass_at_k_t_per_task",
+    "success_rate",
+    "valid_ks",
+]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task from ``n`` samples of which ``c`` are correct (needs k <= n)."""
+    if not (isinstance(n, (int, np.integer)) and isinstance(c, (int, np.integer)) and isinstance(k, (int, np.integer))):
+        raise TypeError(f"pass_at_k needs integers, got n={n!r}, c={c!r}, k={k!r}")
+    if n < 1:
+        raise ValueError(f"pass_at_k needs at least one sample, got n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n, got c={c}, n={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        # Every k-subset contains a correct sample.
+        return 1.0
+    # 1 - C(n-c, k)/C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i); c factors, each in (0, 1).
+    i = np.arange(n - c + 1, n + 1, dtype=np.float64)
+    return float(1.0 - np.prod(1.0 - k / i))
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
+    """pass@k averaged over tasks; ``counts`` holds one ``(n, c)`` pair per task."""
+    values = [pass_at_k(n, c, k) for n, c in counts]
+    if not values:
+        raise ValueError("mean_pass_at_k needs at least one task")
+    return float(np.mean(values))
+
+
+def assistant_turns(trajectory: Trajectory) -> int:
+    """Number of assistant turns of an episode: its token-exact turns, or, for trajectories stored
+    without turns (text-level engines, imported data), its assistant messages."""
+    if trajectory.turns:
+        return len(trajectory.turns)
+    return sum(1 for m in trajectory.messages if m.role == "assistant")
+
+
+@dataclass(frozen=True)
+class TaskOutcomes:
+    """The n samples of one task: whether each succeeded and how many assistant turns it used."""
+
+    task_id: str
+    success: tuple[bool, ...]
+    turns: tuple[int, ...]
+    sample_indices: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.success) != len(self.turns):
+            raise ValueError(f"task {self.task_id}: {len(self.success)} success flags but {len(self.turns)} turn counts")
+        if not self.success:
+            raise ValueError(f"task {self.task_id}: no samples")
+
+    @property
+    def n(self) -> int:
+        return len(self.success)
+
+    def solved_within(self, max_turns: int | None) -> int:
+        """c at budget T: samples that succeeded within ``max_turns`` assistant turns (None: any)."""
+        if max_turns is None:
+            return sum(self.success)
+        return sum(1 for ok, t in zip(self.success, self.turns) if ok and t <= max_turns)
+
+
+def group_by_task(trajectories: Iterable[Trajectory]) -> list[TaskOutcomes]:
+    """One ``TaskOutcomes`` per (env, task_id), in order of first appearance.
+
+    Two trajectories with the same task and the same ``sample_index`` are a duplicate write (a
+    resumed rollout), not two samples: that is an error, since it would bias every estimate.
+    """
+    groups: dict[tuple[str, str], list[Trajectory]] = {}
+    for traj in trajectories:
+        groups.setdefault((traj.env, traj.task_id), []).append(traj)
+    envs = {env for env, _ in groups}
+    outcomes = []
+    for (env, task_id), trajs in groups.items():
+        indices = [t.sample_index for t in trajs]
+        if len(set(indices)) != len(indices):
+            dup = sorted({i for i in indices if indices.count(i) > 1})
+            raise ValueError(f"task {env}/{task_id} has duplicate sample_index {dup}: the same sample was written twice")
+        name = task_id if len(envs) == 1 else f"{env}/{task_id}"
+        outcomes.append(
+            TaskOutcomes(
+                task_id=name,
+                success=tuple(bool(t.success) for t in trajs),
+                turns=tuple(assistant_turns(t) for t in trajs),
+                sample_indices=tuple(indices),
+            )
+        )
+    return outcomes
+
+
+def valid_ks(ks: Iterable[int], tasks: Sequence[TaskOutcomes]) -> tuple[list[int], list[int]]:
+    """Split ``ks`` into those every task supports (k <= its n) and those skipped; sorted, unique."""
+    min_n = min(t.n for t in tasks)
+    ks_sorted = sorted({int(k) for k in ks})
+    bad = [k for k in ks_sorted if k < 1]
+    if bad:
+        raise ValueError(f"k must be >= 1, got {bad}")
+    return [k for k in ks_sorted if k <= min_n], [k for k in ks_sorted if k > min_n]
+
+
+def pass_at_k_t_per_task(
+    tasks: Sequence[TaskOutcomes], ks: Sequence[int], turn_budgets: Sequence[int]
+) -> np.ndarray:
+    """Per-task pass@(k,T) values, shape (len(turn_budgets), len(ks), n_tasks)."""
+    out = np.empty((len(turn_budgets), len(ks), len(tasks)), dtype=np.float64)
+    for ti, budget in enumerate(turn_budgets):
+        for j, task in enumerate(tasks):
+            c = task.solved_within(budget)
+            for ki, k in enumerate(ks):
+                out[ti, ki, j] = pass_at_k(task.n, c, k)
+    return out
+
+
+def pass_at_k_t(
+    tasks: Sequence[TaskOutcomes], ks: Sequence[int], turn_budgets: Sequence[int]
+) -> dict[int, dict[int, float]]:
+    """pass@(k,T) averaged over tasks: ``{T: {k: value}}``. Every k must be <= every task's n."""
+    if not tasks:
+        raise ValueError("pass_at_k_t needs at least one task")
+    values = pass_at_k_t_per_task(tasks, ks, turn_budgets).mean(axis=2)
+    return {int(t): {int(k): float(values[ti, ki]) for ki, k in enumerate(ks)} for ti, t in enumerate(turn_budgets)}
+
+
+def success_rate(trajectories: Sequence[Trajectory]) -> float:
+    """Fraction of all episodes that succeeded (equals pass@1 at the largest T when every task has
+    the same number of samples)."""
+    if not trajectories:
+        raise ValueError("success_rate needs at least one trajectory")
+    return float(np.mean([bool(t.success) for t in trajectories]))
+
+
+def bootstrap_ci_matrix(
+    per_task: np.ndarray,
+    n_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap over tasks for many statistics at once.
+
+    ``per_task`` has shape (..., n_tasks): the last axis is the task axis; each statistic is the
+    mean over tasks. Tasks are resampled with replacement; the same resampled task sets are used
+    for every statistic, so the intervals of pass@(k,T) for different k and T are coherent (e.g. a
+    resample never has pass@2 below pass@1). Returns (low, high), each of shape (...).
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    per_task = np.asarray(per_task, dtype=np.float64)
+    n_tasks = per_task.shape[-1]
+    if n_tasks == 0:
+        raise ValueError("bootstrap needs at least one task")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n_tasks, size=(n_resamples, n_tasks))  # (B, n_tasks)
+    # Counting how often each task is drawn turns the resampled means into one matmul:
+    # weights (B, n_tasks) / n_tasks, stats (..., n_tasks) -> (..., B).
+    weights = np.zeros((n_resamples, n_tasks), dtype=np.float64)
+    np.add.at(weights, (np.arange(n_resamples)[:, None], idx), 1.0)
+    means = per_task @ weights.T / n_tasks
+    alpha = (1.0 - confidence) / 2.0
+    low = np.quantile(means, alpha, axis=-1)
+    high = np.quantile(means, 1.0 - alpha, axis=-1)
+    return low, high
+
+
+def bootstrap_ci(
+    per_task_values: Sequence[float],
+    n_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over tasks of one statistic."""
+    low, high = bootstrap_ci_matrix(np.asarray(per_task_values, dtype=np.float64), n_resamples, confidence, seed)
+    return float(low), float(high)
+
+
+def paired_bootstrap_diff(
+    a: Mapping[str, tuple[int, int]],
+    b: Mapping[str, tuple[int, int]],
+    k: int,
+    n_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float, int]:
+    """pass@k(b) - pass@k(a) on the tasks both evaluated, with a paired bootstrap interval.
+
+    ``a`` and ``b`` map task id -> (n, c). Pairing (resampling the same tasks for both) removes the
+    task-difficulty variance that two independent intervals would count twice. Returns
+    (difference, low, high, number of shared tasks).
+    """
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        raise ValueError("the two evaluations share no task id")
+    diffs = np.array([pass_at_k(*b[t], k) - pass_at_k(*a[t], k) for t in shared])
+    low, high = bootstrap_ci(diffs, n_resamples, confidence, seed)
+    return float(diffs.mean()), low, high, len(shared)
+

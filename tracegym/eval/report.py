@@ -1,0 +1,481 @@
+"""A self-contained HTML report of a run directory.
+
+``build_report(run_dir)`` gathers what a run left behind and writes ``run_dir/report.html``:
+
+- every ``config.yaml`` (the run's own first, then those of sub-runs such as ``sft/`` and ``rl/``),
+- training curves from every ``metrics.jsonl`` (whichever numeric keys exist: reward, loss, KL,
+  entropy, ...),
+- evaluation tables and plots from every ``eval.json`` (e.g. ``{base,sft,rl}/eval.json``),
+- a sample of trajectories from every JSONL file of trajectories: the conversation with tool calls
+  and results, reward and end reason, and, given a decode function, the exact tokens of each turn
+  with the trained (completion) tokens highlighted.
+
+The page has no script and loads nothing: CSS is inline and plots are base64 PNG data URIs. All
+text from the run (messages, configs, errors, file names) is HTML-escaped by jinja2's autoescape.
+The file is written atomically (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from markupsafe import Markup
+
+from tracegym.eval.evaluate import EVAL_FILE, atomic_write_text, load_eval
+from tracegym.eval.metrics import assistant_turns
+from tracegym.types import Message, Trajectory
+
+__all__ = ["EVAL_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer", "find_run_files", "render_report"]
+
+REPORT_FILE = "report.html"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+_MAX_DEPTH = 4  # how deep below the run dir to look for files
+_SKIP_DIRS = {"checkpoints", "checkpoint", "__pycache__", "tb", "tensorboard", "wandb", "node_modules"}
+_X_KEYS = ("step", "epoch", "time", "timestamp", "wall_time", "elapsed_s")
+# Training keys shown first when present (substring match, case-insensitive), in this order.
+_PREFERRED = ("reward", "success", "loss", "kl", "entropy", "grad_norm", "clip", "lr", "adv", "len", "token")
+_MAX_PANELS = 12
+_MAX_TOKENS_SHOWN = 4000  # per trajectory; beyond it the token view says how many were left out
+
+Decode = Callable[[Sequence[int]], str]
+
+
+def decoder_from_tokenizer(tokenizer: Any) -> Decode:
+    """A decode function from a Hugging Face tokenizer (special tokens kept visible)."""
+    if not hasattr(tokenizer, "decode"):
+        raise TypeError(f"{type(tokenizer).__name__} has no decode method")
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    return decode
+
+
+# --- finding files ------------------------------------------------------------------------------
+
+
+@dataclass
+class RunFiles:
+    configs: list[Path] = field(default_factory=list)
+    metrics: list[Path] = field(default_factory=list)
+    evals: list[Path] = field(default_factory=list)
+    jsonl: list[Path] = field(default_factory=list)  # candidate trajectory files
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Files under ``root`` down to _MAX_DEPTH, root first, then sub-folders in name order; hidden
+    folders and checkpoint / logger folders are skipped (they can hold thousands of files)."""
+    root_depth = len(root.parts)
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if not d.startswith(".") and d.lower() not in _SKIP_DIRS and len(here.parts) - root_depth < _MAX_DEPTH
+        )
+        for name in sorted(filenames):
+            yield here / name
+
+
+def find_run_files(run_dir: str | Path) -> RunFiles:
+    """The config, metrics, eval and JSONL files of a run directory (depth-first, sorted)."""
+    files = RunFiles()
+    for path in _walk(Path(run_dir)):
+        if path.name == CONFIG_FILE:
+            files.configs.append(path)
+        elif path.name == METRICS_FILE:
+            files.metrics.append(path)
+        elif path.name == EVAL_FILE:
+            files.evals.append(path)
+        elif path.suffix == ".jsonl" and not path.name.startswith("."):
+            files.jsonl.append(path)
+    return files
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _label(path: Path, root: Path) -> str:
+    """A short name for the run a file belongs to: its folder relative to the run dir."""
+    parent = path.parent.relative_to(root).as_posix()
+    return root.name if parent == "." else parent
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def _read_json_lines(path: Path, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Rows of a JSONL file and how many lines were unreadable (torn or not JSON objects)."""
+    rows, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows, bad
+
+
+def _png_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _figure_uri(fig: Any) -> str:
+    from tracegym.eval.plots import figure_png
+
+    return _png_uri(figure_png(fig))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def choose_metric_keys(rows: Sequence[Mapping[str, Any]], limit: int = _MAX_PANELS) -> list[str]:
+    """Numeric keys worth a panel: preferred names (reward, loss, kl, entropy...) first, then the
+    rest in first-seen order; x-axis keys (step, time) excluded."""
+    seen: dict[str, int] = {}
+    for row in rows:
+        for key, value in row.items():
+            if _is_number(value) and key not in _X_KEYS:
+                seen[key] = seen.get(key, 0) + 1
+    keys = [k for k in seen if seen[k] >= 2 or len(rows) == 1]
+
+    def rank(key: str) -> tuple[int, int]:
+        lower = key.lower()
+        for i, pattern in enumerate(_PREFERRED):
+            if pattern in lower:
+                return (i, keys.index(key))
+        return (len(_PREFERRED), keys.index(key))
+
+    return sorted(keys, key=rank)[:limit]
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+def _config_section(files: RunFiles, root: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in files.configs:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        out.append({"label": _rel(path, root), "text": text})
+    return out
+
+
+def _training_section(files: RunFiles, root: Path) -> list[dict[str, Any]]:
+    from tracegym.eval.plots import training_curves_figure
+
+    out = []
+    for path in files.metrics:
+        rows, bad = _read_json_lines(path)
+        entry: dict[str, Any] = {"label": _label(path, root), "path": _rel(path, root), "rows": len(rows), "bad": bad,
+                                 "plot": None, "last": [], "keys": []}
+        keys = choose_metric_keys(rows)
+        if keys:
+            x_key = "step" if any(_is_number(r.get("step")) for r in rows) else None
+            smooth = max(1, len(rows) // 25) if len(rows) > 50 else 0
+            entry["plot"] = _figure_uri(training_curves_figure(rows, keys, x_key=x_key, smooth=smooth))
+            entry["keys"] = keys
+            last = rows[-1]
+            entry["last"] = [(k, _fmt(last.get(k))) for k in keys]
+            entry["last_step"] = last.get("step", len(rows) - 1)
+        out.append(entry)
+    return out
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if _is_number(value):
+        if isinstance(value, int):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return "" if value is None else str(value)
+
+
+def _pct(value: Any) -> str:
+    return f"{100 * value:.1f}%" if _is_number(value) else "–"
+
+
+def _ci_text(summary: Mapping[str, Any], turn: str, k: str) -> str:
+    value = summary.get("pass_at", {}).get(turn, {}).get(k)
+    ci = summary.get("pass_at_ci", {}).get(turn, {}).get(k)
+    if value is None:
+        return "–"
+    if ci:
+        return f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+    return f"{value:.3f}"
+
+
+# The cells of one evaluation in the comparison tables, in display order.
+EVAL_COLUMNS = ["label", "env", "model", "split", "tasks", "T", "pass@1", "pass@k", "success", "turns", "tokens",
+                 "tool calls", "invalid calls", "call P/R", "conv EM"]
+
+
+def eval_row(summary: Mapping[str, Any], label: str, turn: int | None = None, k: int | None = None) -> dict[str, str]:
+    """One evaluation as the cells of the comparison table (shared with ``tracegym compare``).
+
+    pass@1 and pass@k are read at budget ``turn`` (default: the evaluation's largest T) and
+    ``k`` (default: its largest k); a cell the evaluation lacks shows "–".
+    """
+    turn_key = str(turn) if turn is not None else str(max(int(t) for t in summary["pass_at"]))
+    row_at_t = summary["pass_at"].get(turn_key, {})
+    ks = sorted(int(x) for x in row_at_t)
+    k_max = str(k) if k is not None else (str(ks[-1]) if ks else "?")
+    turn = turn_key
+    cost = summary.get("cost", {})
+    tool = summary.get("tool_calls") or {}
+    invalid = summary.get("invalid_calls") or {}
+    return {
+        "label": label,
+        "env": str(summary.get("env", "")),
+        "model": str(summary.get("model", "")),
+        "split": str(summary.get("split", "")),
+        "tasks": f"{summary.get('n_tasks', '?')} × {summary.get('samples_per_task', '?')}",
+        "T": turn,
+        "pass@1": _ci_text(summary, turn, "1"),
+        "pass@k": f"k={k_max}: {_ci_text(summary, turn, k_max)}",
+        "success": _pct(summary.get("success_rate")),
+        "turns": _fmt(cost.get("turns"), 3),
+        "tokens": _fmt(cost.get("generated_tokens"), 4),
+        "tool calls": _fmt(cost.get("tool_calls"), 3),
+        "invalid calls": _pct(invalid.get("invalid_call_rate")),
+        "call P/R": f"{tool['call_precision']:.2f} / {tool['call_recall']:.2f}" if tool else "–",
+        "conv EM": _pct(tool.get("conversation_exact_match")) if tool else "–",
+    }
+
+
+def _eval_section(files: RunFiles, root: Path) -> tuple[list[dict[str, Any]], str | None]:
+    from tracegym.eval.plots import compare_figure, pass_at_k_figure, pass_at_kt_heatmap
+
+    evals = []
+    for path in files.evals:
+        label = _label(path, root)
+        try:
+            summary = load_eval(path)
+            entry: dict[str, Any] = {"label": label, "path": _rel(path, root), "error": None, "row": eval_row(summary, label)}
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            evals.append({"label": label, "path": _rel(path, root), "error": f"{type(e).__name__}: {e}"})
+            continue
+        turns = sorted(summary["pass_at"], key=int)
+        ks = sorted({int(k) for row in summary["pass_at"].values() for k in row})
+        entry["ks"] = ks
+        entry["grid"] = [(t, [_ci_text(summary, t, str(k)) for k in ks]) for t in turns]
+        entry["curve"] = _figure_uri(pass_at_k_figure(summary, title=f"pass@k  {label}"))
+        entry["heatmap"] = _figure_uri(pass_at_kt_heatmap(summary, title=f"pass@(k, T)  {label}"))
+        entry["end_reasons"] = sorted((summary.get("end_reasons") or {}).items())
+        entry["errors"] = (summary.get("errors") or {}).get("top", [])
+        entry["skipped_ks"] = summary.get("skipped_ks", [])
+        entry["summary"] = summary
+        evals.append(entry)
+    good = [e for e in evals if not e.get("error")]
+    overlay = None
+    if len(good) > 1:
+        overlay = _figure_uri(compare_figure([e["summary"] for e in good], [e["label"] for e in good]))
+    return evals, overlay
+
+
+# --- trajectories -------------------------------------------------------------------------------
+
+
+def _read_trajectories(path: Path, scan_limit: int) -> tuple[list[Trajectory], int, bool]:
+    """Up to ``scan_limit`` trajectories of a JSONL file, the count of unreadable lines, and
+    whether the file is a trajectory file at all (its first readable line is a Trajectory)."""
+    trajectories: list[Trajectory] = []
+    bad = 0
+    rows, bad_json = _read_json_lines(path, limit=scan_limit)
+    for i, row in enumerate(rows):
+        try:
+            trajectories.append(Trajectory.model_validate(row))
+        except Exception:  # pydantic ValidationError and friends: not a trajectory line
+            if i == 0:
+                return [], 0, False
+            bad += 1
+    return trajectories, bad + bad_json, bool(trajectories)
+
+
+def sample_trajectories(trajectories: Sequence[Trajectory], limit: int) -> list[Trajectory]:
+    """A deterministic, mixed sample: solved and unsolved episodes alternate (file order within
+    each), so a mostly failing run still shows its successes and vice versa."""
+    solved = [t for t in trajectories if t.success]
+    failed = [t for t in trajectories if not t.success]
+    out: list[Trajectory] = []
+    while len(out) < limit and (solved or failed):
+        for pool in (solved, failed):
+            if pool and len(out) < limit:
+                out.append(pool.pop(0))
+    return out
+
+
+def _tool_call_text(call: Any) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False, sort_keys=True)
+
+
+def _message_view(message: Message) -> dict[str, Any]:
+    return {
+        "role": message.role,
+        "name": message.name,
+        "content": message.content,
+        "tool_calls": [{"name": c.name, "arguments": _tool_call_text(c), "id": c.id} for c in message.tool_calls],
+        "error": message.role == "tool" and message.content.lstrip().lower().startswith("error:"),
+    }
+
+
+def token_view(trajectory: Trajectory, decode: Decode, max_tokens: int = _MAX_TOKENS_SHOWN) -> tuple[Markup, dict[str, int]]:
+    """The episode's tokens, context in grey and sampled (trained) tokens highlighted.
+
+    Turn t's prompt usually extends turn t-1's prompt + completion; only the new part is shown.
+    Where it does not (the template rewrote history), the full prompt is shown after a marker.
+    Each token is decoded on its own, so token boundaries stay visible.
+    """
+    parts: list[Markup] = []
+    shown = 0
+    stats = {"trained": 0, "context": 0, "rewrites": 0, "hidden": 0}
+    sequence: tuple[int, ...] = ()
+
+    def emit(ids: Sequence[int], css: str) -> None:
+        nonlocal shown
+        for token_id in ids:
+            if shown >= max_tokens:
+                stats["hidden"] += 1
+                continue
+            text = decode([token_id])
+            parts.append(Markup('<span class="tok {}" title="{}">{}</span>').format(css, token_id, text))
+            shown += 1
+
+    for turn in trajectory.turns:
+        prompt = tuple(turn.prompt_ids)
+        if prompt[: len(sequence)] == sequence:
+            new_context = prompt[len(sequence):]
+        else:
+            stats["rewrites"] += 1
+            parts.append(Markup('<div class="rewrite">prompt re-rendered: the template changed earlier tokens</div>'))
+            new_context = prompt
+        emit(new_context, "ctx")
+        emit(turn.completion_ids, "gen")
+        stats["context"] += len(new_context)
+        stats["trained"] += len(turn.completion_ids)
+        sequence = prompt + tuple(turn.completion_ids)
+    if stats["hidden"]:
+        parts.append(Markup('<div class="rewrite">… {} more tokens not shown</div>').format(stats["hidden"]))
+    return Markup("").join(parts), stats
+
+
+def _trajectory_view(traj: Trajectory, decode: Decode | None) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "task_id": traj.task_id,
+        "sample_index": traj.sample_index,
+        "env": traj.env,
+        "policy": traj.policy,
+        "success": traj.success,
+        "reward": _fmt(traj.reward),
+        "end_reason": traj.end_reason,
+        "error": traj.error,
+        "turns": assistant_turns(traj),
+        "tokens": traj.num_generated_tokens,
+        "messages": [_message_view(m) for m in traj.messages],
+        "parse_errors": [(i + 1, e) for i, t in enumerate(traj.turns) for e in t.parse_errors],
+        "reference_calls": json.dumps(traj.info["reference_calls"], ensure_ascii=False)
+        if "reference_calls" in traj.info else None,
+        "tokens_html": None,
+        "token_stats": None,
+    }
+    if decode is not None and traj.turns:
+        view["tokens_html"], view["token_stats"] = token_view(traj, decode)
+    return view
+
+
+def _trajectory_section(files: RunFiles, root: Path, per_file: int, decode: Decode | None,
+                        scan_limit: int) -> list[dict[str, Any]]:
+    out = []
+    for path in files.jsonl:
+        if path.name == METRICS_FILE:
+            continue
+        trajectories, bad, is_traj = _read_trajectories(path, scan_limit)
+        if not is_traj:
+            continue
+        sample = sample_trajectories(trajectories, per_file)
+        out.append({
+            "label": _rel(path, root),
+            "read": len(trajectories),
+            "solved": sum(t.success for t in trajectories),
+            "bad": bad,
+            "capped": len(trajectories) >= scan_limit,
+            "items": [_trajectory_view(t, decode) for t in sample],
+        })
+    return out
+
+
+# --- page ---------------------------------------------------------------------------------------
+
+
+def render_report(
+    run_dir: str | Path,
+    decode: Decode | None = None,
+    max_trajectories: int = 12,
+    scan_limit: int = 2000,
+) -> str:
+    """The report page for ``run_dir`` as an HTML string (nothing written)."""
+    import jinja2
+
+    root = Path(run_dir).resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    files = find_run_files(root)
+    evals, overlay = _eval_section(files, root)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).parent),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    template = env.get_template("report.html.jinja")
+    return template.render(
+        title=root.name,
+        run_dir=str(root),
+        generated=_dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        configs=_config_section(files, root),
+        training=_training_section(files, root),
+        evals=evals,
+        eval_columns=EVAL_COLUMNS,
+        overlay=overlay,
+        trajectory_files=_trajectory_section(files, root, max_trajectories, decode, scan_limit),
+        has_decoder=decode is not None,
+    )
+
+
+
+def build_report(
+    run_dir: str | Path,
+    decode: Decode | None = None,
+    tokenizer: Any = None,
+    max_trajectories: int = 12,
+    out: str | Path | None = None,
+) -> Path:
+    """Write the report of ``run_dir`` to ``out`` (default ``run_dir/report.html``); returns its path.
+
+    ``decode`` (token ids -> text) or ``tokenizer`` (anything with ``decode``) turns on the token
+    view; without them the trajectories show message text only. ``max_trajectories`` caps the
+    sample per trajectory file.
+    """
+    if decode is None and tokenizer is not None:
+        decode = decoder_from_tokenizer(tokenizer)
+    page = render_report(run_dir, decode=decode, max_trajectories=max_trajectories)
+    path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
+    atomic_write_text(path, page)
+    return path

@@ -1,0 +1,273 @@
+"""Supervised fine-tuning on recorded trajectories (``tracegym sft``).
+
+What it does, top to bottom:
+
+1. Load the model (``tracegym.models.load``) and make it trainable: a LoRA adapter or every weight.
+2. Read trajectory JSONL files (written by the rollout runner, e.g. scripted expert runs), keep the
+   successful ones (optional reward floor), and turn each into ``TrainingExample``s with the
+   renderer: the exact token ids the engine saw and sampled, loss mask 1 only on generated tokens.
+3. Each optimizer step takes ``batch_size`` examples in a seeded order (a pure function of the seed
+   and the epoch), splits them into micro-batches, and accumulates gradients of the masked,
+   weighted negative log-likelihood normalised by the loss tokens of the whole batch::
+
+       loss = sum_i sum_t w_it * m_it * -log p(x_it | x_i,<t)  /  sum_i sum_t m_it
+
+   so the gradient is the same whatever the micro-batch size.
+4. Clip the gradient norm, AdamW step, learning-rate schedule step; log loss, tokens/s, grad norm,
+   lr and process RSS to metrics.jsonl / TensorBoard / W&B.
+5. Every ``checkpoint.every`` steps (and at the end) save an atomic checkpoint: weights or adapter,
+   optimizer, scheduler, RNG states, step and data cursor. ``resume=True`` restores all of it, so
+   N/2 steps + resume + N/2 steps give exactly the weights and metrics of N steps straight.
+6. Save the model (full fine-tuning) or the adapter (LoRA) with the tokenizer to ``output_dir/final``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from tracegym.algos.sft import sft_loss
+from tracegym.batch import make_batch, split_microbatches
+from tracegym.config import SFTConfig, dump_config
+from tracegym.data.store import read_trajectories
+from tracegym.render import BuildStats, get_renderer
+from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logprobs import token_logprobs
+from tracegym.train.lora import count_parameters, prepare_model, save_weights
+from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+from tracegym.train.seed import seed_everything
+from tracegym.types import TrainingExample
+
+
+@dataclass
+class SFTData:
+    """Training examples and the counts of how they were selected."""
+
+    examples: list[TrainingExample]
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SFTResult:
+    run_dir: Path
+    final_dir: Path | None  # None when the run stopped early (``stop_at_step``)
+    step: int
+    history: list[dict[str, Any]] = field(default_factory=list)  # rows logged by this invocation
+
+
+def load_sft_examples(
+    files: Sequence[str | Path],
+    renderer: Any,
+    max_length: int,
+    only_successful: bool = True,
+    min_reward: float | None = None,
+) -> SFTData:
+    """Read trajectories, filter them, build examples; examples longer than ``max_length`` are dropped."""
+    counts = {"trajectories": 0, "kept_trajectories": 0, "examples": 0, "dropped_too_long": 0, "loss_tokens": 0}
+    stats = BuildStats()
+    examples: list[TrainingExample] = []
+    for file in files:
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"trajectory file not found: {file}")
+        for trajectory in read_trajectories(file):
+            counts["trajectories"] += 1
+            if only_successful and not trajectory.success:
+                continue
+            if min_reward is not None and trajectory.reward < min_reward:
+                continue
+            if not trajectory.turns:
+                continue
+            counts["kept_trajectories"] += 1
+            for example in renderer.build_examples(trajectory, weight=1.0, stats=stats):
+                if len(example) > max_length:
+                    counts["dropped_too_long"] += 1
+                    continue
+                examples.append(example)
+                counts["loss_tokens"] += sum(example.loss_mask)
+    counts["examples"] = len(examples)
+    counts["template_splits"] = stats.splits
+    return SFTData(examples, counts)
+
+
+def _digest(examples: Sequence[TrainingExample]) -> str:
+    """Fingerprint of the training data, checked on resume (the cursor is meaningless on other data)."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(np.asarray(ex.input_ids, dtype=np.int64).tobytes())
+        h.update(np.asarray(ex.loss_mask, dtype=np.int8).tobytes())
+    return h.hexdigest()[:16]
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The example order of one epoch: a pure function of (seed, epoch), so resume needs no RNG state."""
+    if not shuffle:
+        return np.arange(num_examples)
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def accumulate_sft_gradients(
+    model: torch.nn.Module,
+    examples: Sequence[TrainingExample],
+    micro_batch_size: int,
+    device: torch.device,
+    pad_id: int,
+) -> dict[str, float]:
+    """Forward (and, when grad is enabled, backward) ``examples`` as one batch in micro-batches.
+
+    Every micro-batch loss is normalised by the whole batch's weighted token count
+    (``Batch.normalizers``), so the accumulated gradient equals the full-batch gradient.
+    Returns the batch loss, its trained tokens and its real (unpadded) tokens.
+    """
+    batch = make_batch(examples, pad_token_id=pad_id)
+    loss_sum = 0.0
+    for micro in split_microbatches(batch, micro_batch_size):
+        micro = micro.to(device)
+        logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask)  # [b, T], target-aligned
+        loss, _ = sft_loss(logprobs, micro.loss_mask, micro.weights, normalizers=micro.normalizers)
+        if torch.is_grad_enabled():
+            loss.backward()
+        loss_sum += float(loss.detach())
+    return {"loss": loss_sum, "loss_tokens": batch.num_loss_tokens, "tokens": int(batch.attention_mask.sum())}
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, examples: Sequence[TrainingExample], micro_batch_size: int,
+                  device: torch.device, pad_id: int) -> dict[str, float]:
+    """Weighted mean NLL per trained token over all held-out examples (one batch, micro-batched)."""
+    was_training = model.training
+    model.eval()
+    out = accumulate_sft_gradients(model, examples, micro_batch_size, device, pad_id)
+    model.train(was_training)
+    return {"eval/loss": out["loss"], "eval/loss_tokens": float(out["loss_tokens"])}
+
+
+def _save_final(model: torch.nn.Module, tokenizer: Any, cfg: SFTConfig, run_dir: Path) -> Path:
+    """Write ``run_dir/final`` atomically: adapter or full model, tokenizer, and what it was built from."""
+    final = run_dir / "final"
+    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+    save_weights(model, tmp)
+    tokenizer.save_pretrained(str(tmp))
+    info = {"base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name}
+    (tmp / "tracegym.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = None) -> SFTResult:
+    """Run SFT as ``cfg`` says. ``resume`` continues from the latest checkpoint in ``cfg.output_dir``.
+
+    ``stop_at_step`` returns right after that step with no further save, as if the process had been
+    killed there (tests use it; a later ``resume=True`` run continues from the last checkpoint).
+    """
+    from tracegym.models import load
+
+    run_dir = Path(cfg.output_dir)
+    missing = [f for f in [*cfg.data.train_files, *cfg.data.eval_files] if not Path(f).is_file()]
+    if not cfg.data.train_files or missing:
+        raise FileNotFoundError(f"trajectory file(s) not found: {missing}" if missing else "data.train_files is empty")
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    dump_config(cfg, run_dir)
+    seed_everything(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # -- model -----------------------------------------------------------------------------------
+    model, tokenizer = load(cfg.model.name, cfg.model.dtype)
+    model = prepare_model(model, cfg.lora, cfg.model.adapter)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if cfg.lora.enabled:
+            model.enable_input_require_grads()  # frozen embeddings: make checkpointed inputs carry grad
+    model.to(device).train()
+    trainable, total = count_parameters(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    # -- data ------------------------------------------------------------------------------------
+    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    d = cfg.data
+    train = load_sft_examples(d.train_files, renderer, cfg.max_length, d.only_successful, d.min_reward)
+    examples = train.examples[: d.max_examples] if d.max_examples else train.examples
+    if len(examples) < cfg.batch_size:
+        raise ValueError(
+            f"{len(examples)} training examples (from {train.counts}) is fewer than batch_size={cfg.batch_size}"
+        )
+    eval_examples = []
+    if d.eval_files:
+        eval_examples = load_sft_examples(d.eval_files, renderer, cfg.max_length, d.only_successful, d.min_reward).examples
+    steps_per_epoch = len(examples) // cfg.batch_size  # the last partial batch of an epoch is skipped
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    data_digest = _digest(examples)
+
+    # -- optimizer, schedule, resume -------------------------------------------------------------
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    step = 0
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        restored = load_checkpoint(checkpoint, model, optimizer, scheduler)
+        cursor = restored.state["data"]
+        if cursor["digest"] != data_digest or cursor["seed"] != cfg.seed:
+            raise ValueError(f"{checkpoint} was trained on other data or seed; cannot resume on this config")
+        step = restored.step
+    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
+    if step == 0:
+        logger.log(0, {"params/trainable": trainable, "params/total": total,
+                       **{f"data/{k}": v for k, v in train.counts.items()}})
+    progress = ProgressBar(total_steps, "sft", enabled=cfg.logging.progress, completed=step)
+
+    # -- the loop --------------------------------------------------------------------------------
+    history: list[dict[str, Any]] = []
+    accumulation = cfg.batch_size // cfg.micro_batch_size
+    final_dir = None
+    try:
+        while step < total_steps:
+            epoch, position = divmod(step, steps_per_epoch)
+            order = epoch_order(len(examples), cfg.seed, epoch, d.shuffle)
+            batch = [examples[i] for i in order[position * cfg.batch_size:(position + 1) * cfg.batch_size]]
+            step += 1
+
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            out = accumulate_sft_gradients(model, batch, cfg.micro_batch_size, device, pad_id)
+            loss = out["loss"]
+            grad_norm = clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]  # the lr this step uses
+            optimizer.step()
+            scheduler.step()
+            elapsed = time.perf_counter() - started
+
+            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch,
+                       "loss_tokens": out["loss_tokens"], "tokens": out["tokens"], "micro_batches": accumulation,
+                       "tokens_per_s": out["tokens"] / elapsed, "step_time_s": elapsed, "rss_mb": process_rss_mb()}
+            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
+                metrics.update(evaluate_loss(model, eval_examples, cfg.eval_batch_size, device, pad_id))
+            if step % cfg.logging.log_every == 0 or step == total_steps:
+                history.append(logger.log(step, metrics))
+            progress.update(1, info=f"loss {loss:.4f}")
+
+            if stop_at_step is not None and step >= stop_at_step and step < total_steps:
+                return SFTResult(run_dir, None, step, history)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total_steps:
+                next_epoch, next_position = divmod(step, steps_per_epoch)
+                state = {"data": {"epoch": next_epoch, "position": next_position, "seed": cfg.seed,
+                                  "shuffle": d.shuffle, "num_examples": len(examples), "digest": data_digest}}
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
+        final_dir = _save_final(model, tokenizer, cfg, run_dir)
+    finally:
+        progress.close()
+        logger.close()
+    return SFTResult(run_dir, final_dir, step, history)

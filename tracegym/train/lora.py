@@ -1,0 +1,118 @@
+"""LoRA (peft) or full fine-tuning, chosen by a ``LoraConfig``; saving and loading the trained weights.
+
+With LoRA only the adapter is trained and saved (``adapter_model.safetensors`` + ``adapter_config.json``,
+loadable with ``peft.PeftModel.from_pretrained``); with full fine-tuning every parameter is trained and
+the whole model is saved in Hugging Face format (``model.safetensors`` + ``config.json``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tracegym.config import LoraConfig
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """True for a peft-wrapped model (a LoRA adapter on a frozen base)."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def prepare_model(
+    model: torch.nn.Module, cfg: LoraConfig, adapter_path: str | Path | None = None
+) -> torch.nn.Module:
+    """Make ``model`` trainable as ``cfg`` asks.
+
+    - ``cfg.enabled`` and no ``adapter_path``: a fresh LoRA adapter (B initialised to zero, so the
+      wrapped model computes exactly what the base did) on ``cfg.target_modules``.
+    - ``cfg.enabled`` and ``adapter_path``: that saved adapter, loaded trainable (continue training).
+    - not ``cfg.enabled``: full fine-tuning, every parameter trainable.
+    """
+    if not cfg.enabled:
+        if adapter_path is not None:
+            raise ValueError("an adapter to load was given but LoRA is disabled")
+        for param in model.parameters():
+            param.requires_grad_(True)
+        return model
+
+    import peft
+
+    if adapter_path is not None:
+        adapter_path = Path(adapter_path)
+        if not (adapter_path / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no peft adapter (adapter_config.json) in {adapter_path}")
+        return peft.PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
+
+    peft_config = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, peft_config)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def save_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Save what training changed: the adapter of a peft model, or the whole model, as safetensors."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Load weights written by ``save_weights`` into an already built ``model`` of the same shape.
+
+    For a peft model the adapter tensors are set; for a full model every tensor is loaded and the
+    only tensors allowed to be absent from the files are those tied to another (the output head
+    tied to the embeddings is saved once).
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        file = folder / ADAPTER_WEIGHTS
+        if not file.is_file():
+            raise FileNotFoundError(f"no adapter weights {ADAPTER_WEIGHTS} in {folder}")
+        result = set_peft_model_state_dict(model, load_file(str(file)))
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise ValueError(f"adapter in {folder} does not fit the model: unexpected keys {unexpected[:5]}")
+        return
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"weights in {folder} do not fit the model: unexpected keys {result.unexpected_keys[:5]}")
+    missing = [key for key in result.missing_keys if not _is_tied(model, key)]
+    if missing:
+        raise ValueError(f"weights in {folder} do not fit the model: missing keys {missing[:5]}")
+
+
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
+    """Whether parameter ``key`` shares its storage with another parameter of the model."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensor = tensors.get(key)
+    if tensor is None:
+        return False
+    return any(other is tensor or other.data_ptr() == tensor.data_ptr() for name, other in tensors.items() if name != key)
