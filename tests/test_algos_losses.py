@@ -246,6 +246,12 @@ def test_compute_policy_loss_kl_gradient_and_errors():
         compute_policy_loss(batch, lp, None, PolicyLossConfig(entropy_coef=0.1))
     with pytest.raises(ValueError, match="shape"):
         compute_policy_loss(batch, lp[:, :1], None, PolicyLossConfig())
+    no_engine = _batch(lp.detach(), torch.zeros(1, 2), torch.ones(1, 2))
+    no_engine.has_engine_logprobs[:] = False
+    with pytest.raises(ValueError, match="no engine log-probs"):
+        compute_policy_loss(no_engine, lp, None, PolicyLossConfig())
+    # with trainer-recomputed old log-probs the engine's are not needed
+    compute_policy_loss(no_engine.with_logprobs(old=lp.detach()), lp, None, PolicyLossConfig())
 
 
 def test_policy_loss_config_validation():

@@ -112,6 +112,10 @@ def test_split_microbatches_rows_budget_sorting_and_merge():
     torch.testing.assert_close(merged, batch.loss_mask * (torch.arange(7)[:, None] + 1))
     with pytest.raises(ValueError, match="exactly one"):
         split_microbatches(batch)
+    with pytest.raises(ValueError, match="expected"):
+        batch.with_logprobs(old=torch.zeros(7, 2))
+    moved = batch.with_logprobs(ref=batch.engine_logprobs).to("cpu")
+    assert moved.ref_logprobs is not None and moved.old_logprobs is None and moved.normalizers == batch.normalizers
 
 
 @pytest.fixture(scope="module")

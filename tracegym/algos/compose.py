@@ -48,7 +48,16 @@ def compute_policy_loss(
     if (cfg.entropy_coef > 0 or cfg.entropy_clip) and entropy is None:
         raise ValueError("entropy_coef > 0 or entropy_clip needs the token entropy; pass it from token_logprobs_and_entropy")
 
-    old = batch_part.old_logprobs if batch_part.old_logprobs is not None else batch_part.engine_logprobs
+    if batch_part.old_logprobs is not None:
+        old = batch_part.old_logprobs
+    else:
+        trained_rows = mask.sum(dim=-1) > 0
+        if not bool(batch_part.has_engine_logprobs[trained_rows].all()):
+            raise ValueError(
+                "batch.old_logprobs is None and some rows have no engine log-probs (e.g. scripted expert "
+                "turns): recompute old_logprobs with the trainer before the update"
+            )
+        old = batch_part.engine_logprobs
     metrics: dict[str, float] = {"num_tokens": float(mask.sum())}
 
     token_weights = None

@@ -1,11 +1,20 @@
 """Per-token log-probs and entropies of a causal LM, without extra ``[B, L, V]`` float copies.
 
 ``log_softmax(logits).gather(target)`` materialises a second ``[B, L, V]`` tensor (49k vocab x
-4k tokens x 4 bytes = 800 MB per sequence) and keeps it for backward. Here the log-prob of the
-target is ``logit[target] - logsumexp(logits)``, computed in chunks of rows so the temporaries of
-``logsumexp`` (and of the float32 upcast and the temperature division) never exceed
-``chunk_size x V``. The output is target-aligned: column ``t`` is ``log p(input_ids[:, t+1] |
-input_ids[:, :t+1])``, shape ``[B, L-1]``, matching ``tracegym.batch.Batch``.
+4k tokens x 4 bytes = 800 MB per sequence), plus one more for a temperature division, a float32
+upcast or an entropy. Here one autograd function computes, chunk by chunk of positions,
+
+    log p(target) = z[target] - logsumexp(z)          H = logsumexp(z) - sum softmax(z) * z
+    (z = logits / temperature, in float32)
+
+and saves nothing but the logits (and the small per-position results). Its backward recomputes
+each chunk's softmax and writes the gradient straight into one ``[..., V]`` buffer:
+
+    d log p(target) / dz = onehot(target) - p          dH / dz = -p * (log p + H)
+
+so the temporaries never exceed ``chunk_rows x V`` floats. The output of ``token_logprobs`` is
+target-aligned: column ``t`` is ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``, shape
+``[B, L-1]``, matching ``tracegym.batch.Batch``.
 
 The temperature must be the engine's sampling temperature, or trainer and engine log-probs differ
 by construction (logits are divided by it before the softmax, as in vLLM).
@@ -13,13 +22,12 @@ by construction (logits are divided by it before the softmax, as in vLLM).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_ROWS = 1024  # rows of V logits per chunk: 1024 x 49k x 4 bytes = 200 MB of temporaries
+DEFAULT_CHUNK_ROWS = 1024  # positions per chunk: 1024 x 49k x 4 bytes = 200 MB of temporaries
 
 
 def _check_temperature(temperature: float) -> None:
@@ -27,79 +35,79 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0 for log-probs (greedy has no distribution), got {temperature}")
 
 
-def _chunk_logprobs(chunk: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    """[n, V] logits, [n] targets -> [n] log-probs (float32)."""
-    chunk = chunk.float()  # no copy when already float32
-    if temperature != 1.0:
-        chunk = chunk / temperature
-    target_logit = chunk.gather(-1, targets[:, None]).squeeze(-1)
-    return target_logit - torch.logsumexp(chunk, dim=-1)
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """(flat logits [N, V], targets [N] or None) -> (log-probs [N], entropies [N] or empty), float32."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows: int, with_entropy: bool):
+        n = logits.shape[0]
+        logp = torch.zeros(n if targets is not None else 0, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for start in range(0, n, chunk_rows):
+            z = logits[start : start + chunk_rows].float() / temperature  # [n_c, V], the one temporary
+            lse = torch.logsumexp(z, dim=-1)
+            if targets is not None:
+                logp[start : start + chunk_rows] = z.gather(-1, targets[start : start + chunk_rows, None]).squeeze(-1) - lse
+            if with_entropy:
+                entropy[start : start + chunk_rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(logits, targets if targets is not None else torch.empty(0), entropy)
+        ctx.temperature, ctx.chunk_rows, ctx.has_targets, ctx.with_entropy = temperature, chunk_rows, targets is not None, with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        logits, targets, entropy = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        use_logp = ctx.has_targets and grad_logp is not None
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            stop = start + ctx.chunk_rows
+            z = logits[start:stop].float() / ctx.temperature
+            log_p = torch.log_softmax(z, dim=-1)
+            p = log_p.exp()
+            g = torch.zeros_like(z)
+            if use_logp:
+                g_lp = grad_logp[start:stop, None].float()
+                g -= p * g_lp
+                g.scatter_add_(-1, targets[start:stop, None], g_lp)
+            if use_entropy:
+                g -= grad_entropy[start:stop, None].float() * p * (log_p + entropy[start:stop, None])
+            grad_logits[start:stop] = (g / ctx.temperature).to(logits.dtype)
+        return grad_logits, None, None, None, None
 
 
-def _chunk_entropy(chunk: Tensor, temperature: float) -> Tensor:
-    """[n, V] logits -> [n] entropies (float32): logsumexp(z) - sum softmax(z) * z."""
-    chunk = chunk.float()
-    if temperature != 1.0:
-        chunk = chunk / temperature
-    probs = torch.softmax(chunk, dim=-1)
-    return torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1)
-
-
-def _map_chunks(fn: Callable[..., Tensor], logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows: int) -> Tensor:
-    """Apply ``fn`` to chunks of positions of ``logits`` [..., V] -> [...] float32.
-
-    The chunks are slices (views) of one row at a time, so a non-contiguous input such as
-    ``logits[:, :-1]`` is never copied whole. With autograd on, each chunk runs under activation
-    checkpointing: backward recomputes the chunk's temporaries (upcast, temperature division,
-    softmax) instead of keeping them, so at most one chunk of them is alive at a time and only the
-    logits themselves are saved.
-    """
+def _run(logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    _check_temperature(temperature)
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    lead_shape = logits.shape[:-1]
-    if logits.dim() == 1:
-        logits3 = logits.view(1, 1, -1)
-    elif logits.dim() == 2:
-        logits3 = logits.unsqueeze(0)
-    else:
-        logits3 = logits.flatten(0, -3)  # [R, S, V]; unchanged (a view) for [B, L, V]
-    targets3 = targets.reshape(logits3.shape[:-1]) if targets is not None else None  # [R, S]
-    checkpointed = torch.is_grad_enabled() and logits.requires_grad
-    rows = []
-    for r in range(logits3.shape[0]):
-        pieces = []
-        for start in range(0, logits3.shape[1], chunk_rows):
-            chunk = logits3[r, start : start + chunk_rows]  # [n, V], a view
-            args: tuple[Any, ...] = (chunk,) if targets3 is None else (chunk, targets3[r, start : start + chunk_rows])
-            if checkpointed:
-                pieces.append(checkpoint(fn, *args, temperature, use_reentrant=False))
-            else:
-                pieces.append(fn(*args, temperature))
-        rows.append(torch.cat(pieces) if pieces else logits3.new_zeros(0, dtype=torch.float32))
-    return torch.stack(rows).reshape(lead_shape)
+    if targets is not None and logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    flat = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits (pass the model's output whole)
+    flat_targets = targets.reshape(-1).long() if targets is not None else None
+    logp, entropy = _ChunkedLogprobEntropy.apply(flat, flat_targets, float(temperature), int(chunk_rows), with_entropy)
+    lead = logits.shape[:-1]
+    return (logp.reshape(lead) if targets is not None else logp), (entropy.reshape(lead) if with_entropy else entropy)
 
 
 def logprobs_from_logits(
     logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> Tensor:
-    """``log softmax(logits / temperature)[target]`` for logits [..., V] and targets [...] -> [...] float32.
+    """``log softmax(logits / temperature)[target]``: logits [..., V], targets [...] -> [...] float32.
 
-    Differentiable; computed ``chunk_rows`` positions at a time as ``logit[target] - logsumexp``.
+    Differentiable. Pass contiguous logits (a slice such as ``logits[:, :-1]`` is copied whole by
+    the reshape); ``token_logprobs`` passes the full logits and drops the last position instead.
     """
-    _check_temperature(temperature)
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
-    return _map_chunks(_chunk_logprobs, logits, targets, temperature, chunk_rows)
+    return _run(logits, targets, temperature, chunk_rows, with_entropy=False)[0]
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Tensor:
-    """Entropy ``H = logsumexp(z) - sum softmax(z) z`` of ``softmax(logits / temperature)`` per
-    position: logits [..., V] -> [...] float32. Differentiable; chunked like ``logprobs_from_logits``."""
-    _check_temperature(temperature)
-    return _map_chunks(_chunk_entropy, logits, None, temperature, chunk_rows)
+    """Entropy of ``softmax(logits / temperature)`` per position: logits [..., V] -> [...] float32.
+
+    Differentiable, chunked like ``logprobs_from_logits``."""
+    return _run(logits, None, temperature, chunk_rows, with_entropy=True)[1]
 
 
-def _next_token_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
@@ -107,8 +115,13 @@ def _next_token_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) ->
     if input_ids.shape[1] < 2:
         raise ValueError("sequences need at least 2 tokens to have a next-token log-prob")
     output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    logits = output.logits if hasattr(output, "logits") else output  # [B, L, V]
-    return logits[:, :-1, :]  # position t predicts token t + 1 (a view, no copy)
+    return output.logits if hasattr(output, "logits") else output  # [B, L, V]
+
+
+def _shifted_targets(input_ids: Tensor) -> Tensor:
+    """[B, L] targets for all L positions: position t predicts token t + 1; the last position gets
+    a dummy target 0 and its output column is dropped (cheaper than slicing the [B, L, V] logits)."""
+    return torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
 
 
 def token_logprobs(
@@ -118,19 +131,18 @@ def token_logprobs(
 
     Values at padded positions are meaningless; mask them with ``Batch.loss_mask``.
     """
-    logits = _next_token_logits(model, input_ids, attention_mask)
-    return logprobs_from_logits(logits, input_ids[:, 1:], temperature, chunk_rows)
+    logits = _forward_logits(model, input_ids, attention_mask)
+    logp, _ = _run(logits, _shifted_targets(input_ids), temperature, chunk_rows, with_entropy=False)
+    return logp[:, :-1]
 
 
 def token_logprobs_and_entropy(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> tuple[Tensor, Tensor]:
-    """``(token_logprobs, token_entropy)``, both [B, L-1] float32, from one forward pass."""
-    logits = _next_token_logits(model, input_ids, attention_mask)
-    return (
-        logprobs_from_logits(logits, input_ids[:, 1:], temperature, chunk_rows),
-        token_entropy(logits, temperature, chunk_rows),
-    )
+    """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass."""
+    logits = _forward_logits(model, input_ids, attention_mask)
+    logp, entropy = _run(logits, _shifted_targets(input_ids), temperature, chunk_rows, with_entropy=True)
+    return logp[:, :-1], entropy[:, :-1]
 
 
 __all__ = ["logprobs_from_logits", "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
