@@ -141,6 +141,9 @@ def test_resume_matches_straight_run_exactly(tmp_path, toy_files, lora):
     if lora:
         assert (resumed.final_dir / "adapter_config.json").is_file()
         assert not (resumed.final_dir / "model.safetensors").exists()
+        # The data cursor is meaningless for another data order: resuming with another seed is refused.
+        with pytest.raises(ValueError, match="cannot resume"):
+            train_sft(cfg.model_copy(update={"seed": 4}), resume=True)
 
 
 def test_micro_batch_size_does_not_change_the_step(tmp_path, toy_files):

@@ -214,14 +214,17 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
     # -- optimizer, schedule, resume -------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    step = 0
+    step, epoch, position = 0, 0, 0  # position: batches of ``epoch`` already trained
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
         restored = load_checkpoint(checkpoint, model, optimizer, scheduler)
         cursor = restored.state["data"]
-        if cursor["digest"] != data_digest or cursor["seed"] != cfg.seed:
-            raise ValueError(f"{checkpoint} was trained on other data or seed; cannot resume on this config")
-        step = restored.step
+        same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
+            data_digest, cfg.seed, cfg.batch_size, d.shuffle)
+        if not same:
+            raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
+        step, epoch, position = restored.step, cursor["epoch"], cursor["position"]
+        print(f"resumed from {checkpoint} (step {step}, epoch {epoch}, batch {position})")
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                            config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
     if step == 0:
@@ -235,9 +238,11 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
     final_dir = None
     try:
         while step < total_steps:
-            epoch, position = divmod(step, steps_per_epoch)
+            if position == steps_per_epoch:  # epoch done: the next one has its own order
+                epoch, position = epoch + 1, 0
             order = epoch_order(len(examples), cfg.seed, epoch, d.shuffle)
             batch = [examples[i] for i in order[position * cfg.batch_size:(position + 1) * cfg.batch_size]]
+            position += 1
             step += 1
 
             started = time.perf_counter()
@@ -262,9 +267,8 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
             if stop_at_step is not None and step >= stop_at_step and step < total_steps:
                 return SFTResult(run_dir, None, step, history)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total_steps:
-                next_epoch, next_position = divmod(step, steps_per_epoch)
-                state = {"data": {"epoch": next_epoch, "position": next_position, "seed": cfg.seed,
-                                  "shuffle": d.shuffle, "num_examples": len(examples), "digest": data_digest}}
+                state = {"data": {"epoch": epoch, "position": position, "seed": cfg.seed, "shuffle": d.shuffle,
+                                  "batch_size": cfg.batch_size, "num_examples": len(examples), "digest": data_digest}}
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
         final_dir = _save_final(model, tokenizer, cfg, run_dir)
     finally:
