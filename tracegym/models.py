@@ -148,9 +148,10 @@ def resolve_model_name(name_or_path: str | os.PathLike[str]) -> str:
         return _ALIASES[lowered]
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise UnknownModelError(
-                f"{path} is a folder but not a Hugging Face model folder (it has no config.json)"
+                f"{path} is a folder but neither a Hugging Face model folder (config.json) "
+                "nor a LoRA adapter folder (adapter_config.json)"
             )
         return str(path.resolve())
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -285,9 +286,42 @@ def _align_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokeni
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def adapter_base_model(folder: str | os.PathLike[str]) -> str | None:
+    """The base model a peft adapter folder was trained on, or None when ``folder`` is no adapter.
+
+    tracegym's recipes write ``tracegym.json`` (``base_model``) beside the adapter; otherwise peft's
+    ``adapter_config.json`` field ``base_model_name_or_path`` is used.
+    """
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file():
+        return None
+    info = folder / "tracegym.json"
+    if info.is_file():
+        base = json.loads(info.read_text(encoding="utf-8")).get("base_model")
+        if base:
+            return str(base)
+    base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{folder} holds a LoRA adapter but names no base model (tracegym.json or adapter_config.json)")
+    return str(base)
+
+
+def _load_adapter_folder(folder: Path, base: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Base model + the adapter in ``folder``, merged into plain weights (fastest for inference).
+    To keep training an adapter, load the base and use ``tracegym.train.lora.prepare_model``."""
+    from peft import PeftModel
+
+    model, tokenizer = load(base, dtype)
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    return merged.eval(), tokenizer
+
+
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    base = adapter_base_model(folder)
+    if base is not None:
+        return _load_adapter_folder(folder, base, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
     tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     _align_generation_config(model, tokenizer)

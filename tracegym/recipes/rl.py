@@ -25,9 +25,11 @@ Each step:
 7. **Evaluate** on held-out test tasks every ``eval.every`` steps (pass@1 and success rate),
    **log** everything to metrics.jsonl / TensorBoard, **checkpoint** atomically.
 
-The model stays in eval mode (dropout off) for sampling and training alike: then the engine's
-log-probs and the trainer's agree to ~1e-6 on the same weights, and the PPO ratio is exactly 1 on the
-first pass.
+The model stays in eval mode (dropout off) for sampling and training alike, and the trainer scores
+tokens at the sampling temperature: then the engine's log-probs and the trainer's agree to ~1e-6 on
+the same weights, and the PPO ratio is exactly 1 on the first pass. (With gradient checkpointing the
+update runs in train mode, the only mode in which transformers recomputes activations; dropout
+probabilities are 0 unless configured.)
 
 The reference policy for the KL term, when ``policy_loss.kl_coef > 0``: with LoRA it is the same
 network with the adapter disabled (no second copy in memory); with full fine-tuning a frozen copy.
@@ -105,23 +107,26 @@ def group_advantages(
     return compute_advantages(estimator, values, group_ids, **options), group_ids
 
 
-def policy_logprobs(model: torch.nn.Module, batch: Any, micro_batch_size: int, disable_adapter: bool = False) -> torch.Tensor:
-    """Trainer log-probs of the batch's target tokens under no_grad, [B, T]; with
-    ``disable_adapter`` those of the LoRA base model (the reference policy)."""
+def policy_logprobs(model: torch.nn.Module, batch: Any, micro_batch_size: int, disable_adapter: bool = False,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Trainer log-probs of the batch's target tokens under no_grad, [B, T] (on the batch's device);
+    with ``disable_adapter`` those of the LoRA base model (the reference policy)."""
     parts = split_microbatches(batch, micro_batch_size)
     values = []
+    device = next(model.parameters()).device
     context = model.disable_adapter() if disable_adapter else nullcontext()
     with torch.no_grad(), context:
         for part in parts:
-            values.append(token_logprobs(model, part.input_ids, part.attention_mask))
+            values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature))
     return merge_microbatch_rows(batch, parts, values)
 
 
-def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, batch: Any, micro_batch_size: int) -> torch.Tensor:
+def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, batch: Any, micro_batch_size: int,
+                       temperature: float = 1.0) -> torch.Tensor:
     """Reference-policy log-probs [B, T]: the frozen copy (full fine-tuning) or the LoRA base."""
     if reference is not None:
-        return policy_logprobs(reference, batch, micro_batch_size)
-    return policy_logprobs(model, batch, micro_batch_size, disable_adapter=True)
+        return policy_logprobs(reference, batch, micro_batch_size, temperature=temperature)
+    return policy_logprobs(model, batch, micro_batch_size, disable_adapter=True, temperature=temperature)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -212,6 +217,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     if reference is None and loss_cfg.kl_coef > 0 and not is_peft_model(model):
         raise ValueError("kl_coef > 0 needs a reference policy: LoRA (adapter disabled) or full fine-tuning")
     trainable, total = count_parameters(model)
+    # The trainer scores tokens under the distribution they were sampled from (logits / T), so the
+    # engine's log-probs are the old policy's and the first PPO ratio is 1 at any temperature.
+    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
     # The engine holds the trainer's model object: weight sync after each update is free and exact.
@@ -305,8 +313,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             if kl_in_reward and examples:
                 probe_batch = make_batch(examples, pad_token_id=pad_id)
                 penalty = kl_penalized_rewards(  # = -beta * sum_t kl_t per example, [E]
-                    torch.zeros(len(examples)), policy_logprobs(model, probe_batch, cfg.micro_batch_size),
-                    reference_logprobs(model, reference, probe_batch, cfg.micro_batch_size),
+                    torch.zeros(len(examples)), policy_logprobs(model, probe_batch, cfg.micro_batch_size, temperature=temperature),
+                    reference_logprobs(model, reference, probe_batch, cfg.micro_batch_size, temperature),
                     probe_batch.loss_mask, loss_cfg.kl_coef, loss_cfg.kl_estimator)
                 for row, i in enumerate(owner):
                     rewards_t[i] += penalty[row]
@@ -330,36 +338,52 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             # are the old policy's (the hf engine matches the trainer to ~1e-6), so no extra forward.
             t_train = time.perf_counter()
             part_metrics: list[dict[str, float]] = []
+            epoch_losses: list[float] = []  # full-batch loss of each pass (sum of the micro-batch shares)
             grad_norms: list[float] = []
             if kept:
                 batch = make_batch(kept, pad_token_id=pad_id)
-                recompute_old = cfg.ppo_epochs > 1 or loss_cfg.tis_cap is not None or not bool(batch.has_engine_logprobs.all())
-                old = policy_logprobs(model, batch, cfg.micro_batch_size) if recompute_old else None
+                # (top-p sampling renormalises over the nucleus: the trainer's full softmax differs from it)
+                recompute_old = (cfg.ppo_epochs > 1 or loss_cfg.tis_cap is not None or cfg.rollout.top_p < 1.0
+                                 or not bool(batch.has_engine_logprobs.all()))
+                old = policy_logprobs(model, batch, cfg.micro_batch_size, temperature=temperature) if recompute_old else None
                 ref = None
                 if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "loss":
-                    ref = reference_logprobs(model, reference, batch, cfg.micro_batch_size)
+                    ref = reference_logprobs(model, reference, batch, cfg.micro_batch_size, temperature)
                 batch = batch.with_logprobs(old=old, ref=ref)
+                # transformers recomputes activations only in train mode; dropout stays off (p = 0) unless configured
+                model.train(cfg.model.gradient_checkpointing)
                 for _ in range(cfg.ppo_epochs):
                     optimizer.zero_grad(set_to_none=True)
+                    epoch_losses.append(0.0)
                     for part in split_microbatches(batch, cfg.micro_batch_size):
                         part = part.to(device)
                         # entropy comes from the same logits: logged every step, and used by entropy_coef/entropy_clip
-                        logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask)
+                        logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature)
                         loss, m = compute_policy_loss(part, logprobs, entropy, loss_cfg)
                         loss.backward()
                         part_metrics.append(m)
+                        epoch_losses[-1] += m["loss"]
                     grad_norms.append(clip_gradients(model.parameters(), cfg.optim.max_grad_norm))
                     metrics["lr"] = scheduler.get_last_lr()[0]
                     optimizer.step()
                     scheduler.step()
+                model.eval()
                 # 6. weight sync: the hf engine calls this very model object (a no-op kept for other engines)
                 engine.update_weights(model)
             t_train = time.perf_counter() - t_train
-            for key in ("loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
-                        "approx_kl", "kl_ref", "entropy", "tis_truncated_frac"):
+            # per-token metrics: token-weighted over the micro-batches; the loss: each pass's sum of shares
+            for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref", "entropy",
+                        "tis_truncated_frac"):
                 value = _weighted(part_metrics, key)
                 if value is not None:
                     metrics[f"train/{key}"] = value
+            if "train/clip_frac_low" in metrics and "train/clip_frac_high" in metrics:
+                metrics["train/clip_frac"] = metrics["train/clip_frac_low"] + metrics["train/clip_frac_high"]
+            for key, reduce in (("ratio_min", min), ("ratio_max", max)):
+                if any(key in m for m in part_metrics):
+                    metrics[f"train/{key}"] = reduce(m[key] for m in part_metrics if key in m)
+            if epoch_losses:
+                metrics["train/loss"] = _mean(epoch_losses)
             if grad_norms:
                 metrics["train/grad_norm"] = _mean(grad_norms)
             step += 1

@@ -1,0 +1,374 @@
+"""RL recipe on the tiny random model: every loss option runs and logs, every trainable weight moves
+(and no frozen one), the engine serves the new weights, resume is exact, it learns an easy task,
+the logged numbers do not depend on the micro-batch size, and config mistakes are named.
+
+Most tests use ``LetterEnv`` (defined here): the reply is rewarded when it contains a letter. A
+random model's three-token replies contain "m" about a third of the time (one-token replies "e"
+about half the time), so groups are rarely uniform and advantages are non-zero; the calculator env (reward 0 for a random model) runs through the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tracegym.engines.hf as hf_engines
+import tracegym.recipes.rl as rl_recipe
+from tracegym.config import RLConfig, load_config
+from tracegym.envs import register, unregister
+from tracegym.envs.base import Env, Task
+from tracegym.recipes.rl import tasks_for_step, train_rl
+from tracegym.train.checkpoint import list_checkpoints
+from tracegym.train.logging import read_metrics
+from tracegym.types import Message, SamplingParams, StepResult
+
+# Keys that hold wall-clock times or machine load: everything else must be reproducible exactly.
+NON_DETERMINISTIC = ("time", "rss_mb", "time/", "rollout/tokens_per_s", "train/tokens_per_s")
+
+
+class LetterEnv(Env):
+    """Reply with a word containing ``letter``: reward 1 and the episode ends; otherwise the user asks
+    again, until ``max_turns`` replies (then truncated, reward 0)."""
+
+    name = "test-letter"
+
+    def __init__(self, letter: str = "e", max_turns: int = 1):
+        self.letter, self.max_turns, self.turn = letter, max_turns, 0
+
+    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
+        offset = 0 if split == "train" else 10_000  # disjoint splits
+        return [Task(id=f"{split}-{seed}-{i}", split=split, data={"word": f"w{offset + i}"}) for i in range(n)]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return []
+
+    async def reset(self, task: Task) -> list[Message]:
+        self.turn = 0
+        return [Message(role="system", content="Reply with one word."),
+                Message(role="user", content=f"Word {task.data['word']}")]
+
+    async def step(self, message: Message, parse_errors: Sequence[str] = ()) -> StepResult:
+        self.turn += 1
+        if self.letter in message.content:
+            return StepResult(reward=1.0, terminated=True, info={"success": True})
+        last = self.turn >= self.max_turns
+        again = () if last else (Message(role="user", content="Again."),)
+        return StepResult(messages=again, reward=0.0, truncated=last, info={"success": False})
+
+    def expert_action(self) -> Message:
+        return Message(role="assistant", content=self.letter)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def letter_env():
+    register("test-letter", LetterEnv, overwrite=True)
+    yield
+    unregister("test-letter")
+
+
+def _config(out: Path, *overrides: str, env: str = "test-letter") -> RLConfig:
+    data = {
+        "model": {"name": "tiny-random"},
+        "lora": {"enabled": True, "r": 4},
+        "optim": {"lr": 1e-3},
+        "env": {"name": env, "options": {"letter": "m", "max_turns": 2} if env == "test-letter" else {"num_calls": 1}},
+        "tasks": {"train": 6, "test": 2, "seed": 0},
+        "tasks_per_step": 3,
+        "group_size": 4,
+        "rollout": {"max_turns": 2, "max_tokens_per_turn": 3, "concurrency": 16},
+        "micro_batch_size": 4,
+        "steps": 2,
+        "eval": {"every": 1, "samples_per_task": 2, "temperature": 1.0},
+        "output_dir": str(out),
+        "logging": {"progress": False, "tensorboard": False},
+    }
+    return load_config(RLConfig, data=data, overrides=list(overrides))
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    return [row for row in read_metrics(run_dir) if row["step"] > 0]
+
+
+# Logged every step by every run that trained (the loss-specific keys are checked per option).
+ALWAYS = ("reward/mean", "reward/std", "success_rate", "episode/turns", "episode/generated_tokens", "env/errors",
+          "rollout/tokens_per_s", "time/rollout_s", "time/train_s", "time/step_s", "rss_mb", "groups/no_signal",
+          "examples/count", "train/loss", "train/entropy", "train/ratio_mean", "train/ratio_min", "train/ratio_max",
+          "train/grad_norm", "train/tokens_per_s", "lr")
+CLIPPED = ("train/clip_frac", "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl")
+
+
+def test_tasks_for_step_is_a_pure_function_covering_each_epoch():
+    tasks = list(range(5))
+    first_epoch = [t for step in range(5) for t in tasks_for_step(tasks, 1, seed=3, step=step)]
+    assert sorted(first_epoch) == tasks  # every task once per epoch
+    assert tasks_for_step(tasks, 2, 3, 4) == tasks_for_step(tasks, 2, 3, 4)
+    # step 2 of 2 per step wraps: slots 4, 5 = last of epoch 0, first of epoch 1
+    assert tasks_for_step(tasks, 2, 3, 2)[0] == first_epoch[4]
+
+
+def test_cli_runs_rl_on_the_calculator_env(tmp_path, capsys):
+    from tracegym.cli import main
+
+    config = tmp_path / "rl.yaml"
+    config.write_text(
+        "model: {name: tiny-random}\nlora: {r: 4}\nenv: {name: calculator, options: {num_calls: 1}}\n"
+        "tasks: {train: 4, test: 2}\ntasks_per_step: 2\ngroup_size: 2\n"
+        "rollout: {max_turns: 2, max_tokens_per_turn: 6, concurrency: 8}\nsteps: 2\n"
+        f"output_dir: '{tmp_path / 'run'}'\nlogging: {{progress: false, tensorboard: false}}\n"
+    )
+    # A random model never answers right: every group is uniform and skipped unless told otherwise.
+    assert main(["rl", "--config", str(config), "skip_uniform_groups=false", "eval.every=1"]) == 0
+    assert "rl done: 2 steps" in capsys.readouterr().out
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval/pass@1"] == 0.0 and rows[0]["params/trainable"] < rows[0]["params/total"]
+    for row in rows[1:]:
+        assert row["reward/mean"] == 0.0 and row["groups/no_signal"] == 2.0 and row["examples/count"] == 4.0
+        assert row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0  # zero advantages, no KL: no gradient
+        assert row["eval/pass@1"] == 0.0 and row["env/errors"] == 0.0
+        assert row["end/terminated"] + row.get("end/max_turns", 0.0) == 4.0
+    run = tmp_path / "run"
+    assert (run / "final" / "adapter_config.json").is_file() and len(list((run / "rollouts").glob("*.jsonl"))) == 2
+    assert load_config(RLConfig, run / "config.yaml").group_size == 2
+    assert main(["rl", "--config", str(config)]) == 1  # checkpoints there: --resume or another folder
+    assert "--resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        pytest.param(("policy_loss.loss=ppo_clip", "policy_loss.clip_eps_high=0.28"), CLIPPED, id="ppo_clip-lora"),
+        pytest.param(("policy_loss.loss=gspo", "lora.enabled=false", "optim.lr=1e-4"), CLIPPED, id="gspo-full"),
+        pytest.param(("policy_loss.loss=policy_gradient",), (), id="policy_gradient"),
+        pytest.param(("policy_loss.kl_coef=0.1", "lora.enabled=false"), CLIPPED + ("train/kl_ref",), id="kl_loss-full"),
+        pytest.param(("policy_loss.kl_coef=0.1", "policy_loss.kl_penalty=reward"), CLIPPED + ("reward/kl_penalty",),
+                     id="kl_reward-lora"),
+        pytest.param(("policy_loss.tis_cap=2.0",), CLIPPED + ("train/tis_truncated_frac",), id="tis"),
+        pytest.param(("ppo_epochs=2", "policy_loss.dual_clip_c=3.0"), CLIPPED, id="ppo_epochs2"),
+    ],
+)
+def test_loss_options_run_and_log(tmp_path, options, expected):
+    result = train_rl(_config(tmp_path / "run", *options, "optim.lr=1e-2"))
+    assert result.step == 2 and result.final_dir is not None
+    rows = _steps(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in (*ALWAYS, *expected, "eval/pass@1", "eval/success_rate") if k not in row]
+        assert not missing, missing
+        assert row["examples/count"] > 0 and row["groups/no_signal"] < 3  # letter rewards vary
+        assert all(math.isfinite(row[k]) for k in ALWAYS)
+        assert 1.0 <= row["episode/turns"] <= 2.0 and 0 < row["reward/mean"] < 1
+        assert row["train/grad_norm"] > 0 and row["train/entropy"] > 0
+    first, second = rows
+    if "ppo_epochs=2" in options:
+        # pass 2 is off-policy: the ratio leaves 1 (pass 1 contributes exactly 1 to min/max)
+        assert first["train/ratio_min"] < 1.0 - 1e-4 or first["train/ratio_max"] > 1.0 + 1e-4
+    else:
+        # on-policy single pass: engine and trainer log-probs agree, the ratio is 1, nothing is clipped
+        assert first["train/ratio_min"] == pytest.approx(1.0, abs=1e-4)
+        assert first["train/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert first.get("train/clip_frac", 0.0) == 0.0
+    if "train/kl_ref" in expected:  # the policy starts as the reference, then moves away from it
+        assert first["train/kl_ref"] == pytest.approx(0.0, abs=1e-6) and second["train/kl_ref"] > 1e-6
+    if "reward/kl_penalty" in expected:
+        assert first["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6) and second["reward/kl_penalty"] > 1e-6
+    if "train/tis_truncated_frac" in expected:
+        assert first["train/tis_truncated_frac"] == 0.0  # engine == trainer: no weight above the cap
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    return {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_step_moves_every_trainable_parameter_and_no_frozen_one(tmp_path, monkeypatch, lora):
+    captured: dict[str, Any] = {}
+    prepare = rl_recipe.prepare_model
+
+    def prepare_and_snapshot(*args, **kwargs):
+        model = prepare(*args, **kwargs)
+        captured["model"], captured["before"] = model, _snapshot(model)
+        return model
+
+    monkeypatch.setattr(rl_recipe, "prepare_model", prepare_and_snapshot)
+    # LoRA's B starts at 0, so A gets no gradient on the first update: two passes (ppo_epochs=2)
+    # move both factors within one RL step.
+    options = ("lora.enabled=true", "ppo_epochs=2") if lora else ("lora.enabled=false",)
+    result = train_rl(_config(tmp_path / "run", *options, "steps=1", "optim.lr=1e-3"))
+    (row,) = _steps(result.run_dir)
+    assert row["examples/count"] > 0 and row["train/grad_norm"] > 0
+    after = dict(captured["model"].named_parameters())
+    trainable = [n for n, (_, grad) in captured["before"].items() if grad]
+    frozen = [n for n, (_, grad) in captured["before"].items() if not grad]
+    assert trainable and (frozen if lora else not frozen)
+    if lora:
+        assert all("lora_" in n for n in trainable) and {n.split(".")[-3] for n in trainable} == {"lora_A", "lora_B"}
+    unchanged = [n for n in trainable if torch.equal(captured["before"][n][0], after[n].detach())]
+    assert not unchanged, unchanged
+    moved = [n for n in frozen if not torch.equal(captured["before"][n][0], after[n].detach())]
+    assert not moved, moved
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_engine_serves_the_updated_weights(tmp_path, monkeypatch, tokenizer, lora):
+    """The engine's log-probs for a fixed prompt change after the update, and equal a teacher-forced
+    pass of the model saved in ``final/`` (so the adapter really is what the engine samples from)."""
+    from tracegym.models import load
+    from tracegym.render import get_renderer
+    from tracegym.train.logprobs import token_logprobs
+
+    renderer = get_renderer("tiny-random", tokenizer)
+    prompt = renderer.render_prompt([Message(role="system", content="Reply."), Message(role="user", content="Hello")])
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    engines: list[tuple[Any, Any]] = []
+    real_engine = hf_engines.HFEngine
+
+    def engine_with_baseline(*args, **kwargs):
+        engine = real_engine(*args, **kwargs)
+        engines.append((engine, engine.generate([prompt], greedy)[0][0]))  # before any update
+        return engine
+
+    monkeypatch.setattr(hf_engines, "HFEngine", engine_with_baseline)
+    result = train_rl(_config(tmp_path / "run", f"lora.enabled={str(lora).lower()}", "optim.lr=1e-2"))
+    (engine, before), = engines
+    after = engine.generate([prompt], greedy)[0][0]
+    changed = before.token_ids != after.token_ids or max(
+        abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 1e-3
+    assert changed, (before, after)
+
+    saved, _ = load(str(result.final_dir))  # adapter folder (on tiny-random) or full model
+    ids = torch.tensor([list(prompt) + list(after.token_ids)])
+    with torch.no_grad():
+        reference = token_logprobs(saved, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+    assert torch.allclose(reference, torch.tensor(after.logprobs), atol=1e-4), (reference, after.logprobs)
+
+
+def _final_tensors(final_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(final_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    assert tensors
+    return tensors
+
+
+def _reproducible(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in NON_DETERMINISTIC and not k.startswith("time/")} for r in rows]
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_resume_matches_straight_run_exactly(tmp_path, lora):
+    # Multi-turn episodes, two PPO passes, KL to the reference and a cosine schedule with warmup:
+    # optimizer, scheduler, task cursor and sampling seeds must all come back.
+    common = (f"lora.enabled={str(lora).lower()}", "steps=4", "ppo_epochs=2", "policy_loss.kl_coef=0.05",
+              "optim.warmup_steps=2", "optim.schedule=cosine", "optim.lr=1e-2", "eval.every=2", "tasks.train=3")
+    straight = train_rl(_config(tmp_path / "a", *common))
+
+    cfg = _config(tmp_path / "b", *common, "checkpoint.every=2")
+    # Killed after step 3: the last checkpoint is step 2, so step 3 is trained (and logged) twice.
+    interrupted = train_rl(cfg, stop_at_step=3)
+    assert interrupted.final_dir is None and [s for s, _ in list_checkpoints(cfg.output_dir)] == [2]
+    resumed = train_rl(cfg, resume=True)
+    assert resumed.step == 4 and [r["step"] for r in resumed.history] == [3, 4]
+
+    a, b = _reproducible(read_metrics(straight.run_dir)), _reproducible(read_metrics(resumed.run_dir))
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert a == b  # every step once, identical numbers (rewards, losses, ratios, KL, grad norms, eval)
+    assert len({r["reward/mean"] for r in a[1:]}) > 1 or len({r["train/loss"] for r in a[1:]}) > 1
+    fa, fb = _final_tensors(straight.final_dir), _final_tensors(resumed.final_dir)
+    assert fa.keys() == fb.keys()
+    for key in fa:
+        assert torch.equal(fa[key], fb[key]), key
+
+
+def test_learns_an_easy_task(tmp_path):
+    """One-token replies rewarded for containing "e" (about half of them at first); full fine-tuning
+    with a high learning rate concentrates the policy on rewarded tokens within a few steps."""
+    cfg = _config(tmp_path / "run", "lora.enabled=false", "optim.lr=0.1", "env.options.letter=e", "env.options.max_turns=1",
+                  "rollout.max_turns=1", "rollout.max_tokens_per_turn=1", "tasks_per_step=2", "group_size=16",
+                  "tasks.train=16", "tasks.test=8", "eval.every=0", "eval.samples_per_task=4", "steps=8",
+                  "save_rollouts=false")
+    result = train_rl(cfg)
+    rows = read_metrics(result.run_dir)
+    rewards = [r["reward/mean"] for r in rows[1:]]
+    entropy = [r["train/entropy"] for r in rows[1:] if "train/entropy" in r]  # steps that trained
+    print("rewards", rewards, "eval", rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"], entropy)
+    assert 0.2 < rewards[0] < 0.8, rewards  # the random policy: about half
+    assert sum(rewards[-3:]) / 3 >= 0.85, rewards
+    assert rows[0]["eval/pass@1"] < 0.75 and rows[-1]["eval/pass@1"] >= 0.85, (rows[0], rows[-1])
+    assert entropy[-1] < 0.5 * entropy[0], entropy  # the policy has concentrated
+
+
+def test_micro_batch_size_does_not_change_the_logged_step(tmp_path):
+    common = ("steps=1", "ppo_epochs=2", "policy_loss.kl_coef=0.1", "lora.enabled=false", "optim.lr=1e-2",
+              "eval.every=0", "tasks.test=1", "eval.at_start=false")
+    one = _steps(train_rl(_config(tmp_path / "m1", *common, "micro_batch_size=1")).run_dir)[0]
+    big = _steps(train_rl(_config(tmp_path / "m8", *common, "micro_batch_size=64")).run_dir)[0]
+    assert one["examples/count"] == big["examples/count"] > 1
+    for key in ("train/loss", "train/grad_norm", "train/ratio_min", "train/ratio_max", "train/ratio_mean",
+                "train/entropy", "train/kl_ref", "train/clip_frac"):
+        assert one[key] == pytest.approx(big[key], rel=1e-4, abs=1e-6), key
+
+
+def test_temperature_below_one_keeps_the_first_pass_on_policy(tmp_path):
+    """The trainer scores tokens at the sampling temperature, so the engine's log-probs are the old
+    policy's: ratio exactly 1, nothing clipped (at temperature 1 the scores would differ by ~x/T)."""
+    row = _steps(train_rl(_config(tmp_path / "run", "rollout.temperature=0.5", "steps=1", "eval.at_start=false",
+                                  "eval.every=0", "tasks.test=1")).run_dir)[0]
+    assert row["train/ratio_min"] == pytest.approx(1.0, abs=1e-4) and row["train/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert row["train/clip_frac"] == 0.0
+
+
+def test_gradient_checkpointing_recomputes_and_changes_nothing(tmp_path, monkeypatch):
+    # Count MLP forwards with grad on (the decoder layer's own forward is the checkpointing wrapper).
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    calls = {"n": 0}
+    real_forward = LlamaMLP.forward
+
+    def counted(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaMLP, "forward", counted)
+    common = ("steps=1", "eval.at_start=false", "eval.every=0", "tasks.test=1", "lora.enabled=false")
+    plain = _steps(train_rl(_config(tmp_path / "a", *common)).run_dir)[0]
+    plain_calls, calls["n"] = calls["n"], 0
+    checkpointed = _steps(train_rl(_config(tmp_path / "b", *common, "model.gradient_checkpointing=true")).run_dir)[0]
+    assert plain_calls > 0 and calls["n"] == 2 * plain_calls  # every layer runs again in the backward pass
+    for key in ("train/loss", "train/grad_norm", "reward/mean"):
+        assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    "override, named, nearest",
+    [
+        ("policy_loss.clip_eps=0.2", "policy_loss.clip_eps", "policy_loss.clip_eps_low"),
+        ("group_sise=4", "group_sise", "group_size"),
+        ("rollout.max_turn=2", "rollout.max_turn", "rollout.max_turns"),
+    ],
+)
+def test_bad_config_key_exits_2_naming_the_nearest_key(tmp_path, capsys, override, named, nearest):
+    from tracegym.cli import main
+
+    config = tmp_path / "rl.yaml"
+    config.write_text(f"model: {{name: tiny-random}}\noutput_dir: '{tmp_path / 'run'}'\n")
+    assert main(["rl", "--config", str(config), override]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown key '{named}'" in err and f"did you mean '{nearest}'?" in err, err
+    assert not (tmp_path / "run").exists()  # rejected before anything is written
+
+
+def test_bad_policy_loss_value_exits_2(tmp_path, capsys):
+    from tracegym.cli import main
+
+    config = tmp_path / "rl.yaml"
+    config.write_text("model: {name: tiny-random}\npolicy_loss: {loss: ppo, clip_eps_low: 2}\n")
+    assert main(["rl", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "'policy_loss.loss'" in err and "ppo_clip" in err and "'policy_loss.clip_eps_low'" in err, err

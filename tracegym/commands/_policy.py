@@ -1,0 +1,377 @@
+"""What ``tracegym rollout`` and ``tracegym eval`` share: their common arguments and the policy they run.
+
+The leading underscore keeps this module out of the subcommand discovery of ``tracegym.cli``.
+
+    add_env_arguments(parser, default_split="test")
+    add_policy_arguments(parser)
+    add_run_arguments(parser, default_tasks=20, default_samples=8)
+    ...
+    env_options, tasks = make_tasks(args)          # UsageError: a clear message, exit code 2
+    setup = build_policy(args)                      # "expert" or an engine, renderer, tokenizer, model
+    config = rollout_config(args, setup, max_turns=8, temperature=1.0)
+    result = run_policy(args, setup, tasks, env_options, config, writer=w, failed_writer=w)
+
+The policy: ``--policy expert`` records the env's scripted expert (through the tokenizer and
+renderer of ``--model``); otherwise ``--model`` runs on ``--engine`` (hf: in this process, on CPU;
+vllm: on a GPU; openai: an OpenAI-compatible server). ``--adapter PATH`` applies a LoRA adapter
+folder (``adapter_config.json``, written by ``tracegym sft`` / ``tracegym rl``) merged into the
+weights of ``--model``, which defaults to the base model the adapter names (``tracegym.json``).
+Passing the adapter folder itself as ``--model`` means the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from tracegym.envs.base import Task
+    from tracegym.render.base import Renderer
+    from tracegym.rollout import RolloutConfig, RolloutResult
+
+log = logging.getLogger("tracegym.commands")
+
+ENGINES = ("hf", "vllm", "openai")
+
+
+class UsageError(ValueError):
+    """Arguments that cannot work together (or name nothing that exists); the command prints the
+    message and exits with code 2."""
+
+
+def print_error(message: object) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+# --- argument types and registration ---------------------------------------------------------------
+
+
+def key_value(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with the value parsed as YAML (``3`` -> 3, ``[1, 2]`` -> [1, 2], ``x`` -> "x")."""
+    import yaml
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    if not key.strip():
+        raise argparse.ArgumentTypeError(f"empty KEY in {text!r}")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"cannot parse the value of {text!r}: {exc}") from exc
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_env_arguments(parser: argparse.ArgumentParser, *, default_split: str) -> None:
+    parser.add_argument("--env", required=True, help="environment name (see `tracegym envs`)")
+    parser.add_argument("--env-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                        help="env constructor option, value parsed as YAML (repeatable), e.g. num_calls=3")
+    parser.add_argument("--split", default=default_split, choices=["train", "test"],
+                        help=f"task split (default {default_split})")
+    parser.add_argument("--task-seed", type=int, default=0, help="seed of the task generator (default 0)")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model name or local folder (default: the base model of --adapter, else smollm2-135m); "
+                             "for --engine openai the server's model name")
+    parser.add_argument("--adapter", default=None, metavar="PATH",
+                        help="LoRA adapter folder (adapter_config.json) to merge into --model before sampling "
+                             "(hf and vllm engines)")
+    parser.add_argument("--engine", default="hf", choices=list(ENGINES), help="inference engine (default hf)")
+    parser.add_argument("--policy", default="model", choices=["model", "expert"],
+                        help="'expert' records the env's scripted expert on the same token path")
+    parser.add_argument("--renderer", default=None,
+                        help="chat-template renderer (default: the adapter's, else the model's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for rendering (default: the model's; smollm2-135m for --engine openai)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai engine: server URL")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="openai engine: env var holding the key")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, default_tasks: int, default_samples: int) -> None:
+    """Sizes, limits and sampling settings both commands take (temperature is per command: its
+    default differs)."""
+    parser.add_argument("--tasks", type=positive_int, default=default_tasks, help=f"number of tasks (default {default_tasks})")
+    parser.add_argument("--samples", type=positive_int, default=default_samples,
+                        help=f"samples per task (default {default_samples})")
+    parser.add_argument("--max-tokens-per-turn", type=positive_int, default=256)
+    parser.add_argument("--max-tokens-per-episode", type=positive_int, default=None)
+    parser.add_argument("--max-context", type=positive_int, default=None, help="default: the model's context length")
+    parser.add_argument("--timeout", type=float, default=None, help="wall-clock limit per episode (s)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--concurrency", type=positive_int, default=64, help="episodes alive at once (default 64)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--out", required=True, help="output folder")
+
+
+# --- building what runs ---------------------------------------------------------------------------
+
+
+def make_tasks(args: argparse.Namespace) -> tuple[dict[str, Any], list[Task]]:
+    """``(env_options, tasks)`` of ``args.env``; UsageError when the env cannot be made."""
+    from tracegym.envs import make
+
+    env_options = dict(args.env_option)
+    try:
+        tasks = make(args.env, **env_options).tasks(args.split, n=args.tasks, seed=args.task_seed)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a usage problem: say it, no traceback
+        raise UsageError(f"cannot make env {args.env!r} with {env_options}: {exc}") from exc
+    if not tasks:
+        raise UsageError(f"env {args.env!r} gave no {args.split} tasks")
+    return env_options, list(tasks)
+
+
+@dataclass
+class PolicySetup:
+    """Everything ``run_rollouts`` needs about the policy, and what to record about it."""
+
+    policy: Any
+    """``"expert"``, or an engine (``HFEngine``, ``VLLMEngine``, ``OpenAIEngine``)."""
+    renderer: Renderer
+    tokenizer: Any
+    model_name: str
+    """The model (``--model``, or the base model of the adapter)."""
+    adapter: str | None
+    """The LoRA adapter folder merged into the model, if any."""
+    engine_name: str | None
+    """None for the expert."""
+    policy_name: str
+    """Recorded in ``Trajectory.policy``: "expert", the adapter folder, or the model name."""
+    model: Any | None = None
+    """The model in this process (hf engine), adapter merged."""
+    gap_model: Any | None = None
+    """The model that re-scores sampled tokens for the engine/trainer log-prob gap (hf only)."""
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready record of the policy (for summary.json / eval.json)."""
+        return {
+            "model": self.model_name,
+            "adapter": self.adapter,
+            "engine": self.engine_name,
+            "policy": self.policy_name,
+            "renderer": getattr(self.renderer, "name", type(self.renderer).__name__),
+        }
+
+    def default_max_context(self) -> int | None:
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+
+    def close(self) -> None:
+        close = getattr(self.policy, "close", None)
+        if callable(close):
+            close()
+
+
+def _adapter_base(name: str | None) -> str | None:
+    """The base model if ``name`` is a LoRA adapter folder, else None (known names and server-side
+    model names are never adapters)."""
+    from tracegym.models import KNOWN_MODELS, adapter_base_model, resolve_model_name
+
+    if name is None:
+        return None
+    try:
+        resolved = resolve_model_name(name)
+    except ValueError:
+        return None  # not a local model: let the engine report it
+    if resolved in KNOWN_MODELS or not Path(resolved).is_dir():
+        return None
+    try:
+        return adapter_base_model(resolved)
+    except (OSError, ValueError) as exc:  # unreadable JSON or no base model named
+        raise UsageError(str(exc)) from exc
+
+
+def _same_model(a: str, b: str) -> bool:
+    from tracegym.models import resolve_model_name
+
+    try:
+        return resolve_model_name(a) == resolve_model_name(b)
+    except ValueError:
+        return a == b
+
+
+def resolve_model_and_adapter(model: str | None, adapter: str | None) -> tuple[str, str | None, str | None]:
+    """``(model, adapter, renderer_hint)`` from ``--model`` / ``--adapter``.
+
+    An adapter folder passed as ``--model`` becomes the adapter; the model then is the base the
+    adapter names. ``renderer_hint`` is the renderer the adapter's ``tracegym.json`` records.
+    """
+    import json
+
+    from tracegym.models import DEFAULT_MODEL, adapter_base_model
+
+    base_of_model = _adapter_base(model)
+    if adapter is not None:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise UsageError(f"--adapter {adapter}: not a LoRA adapter folder (no adapter_config.json)")
+        if base_of_model is not None:
+            raise UsageError(f"--model {model} is itself an adapter folder; pass its base model as --model (or drop it)")
+        try:
+            base = adapter_base_model(adapter)
+        except (OSError, ValueError):
+            base = None  # no base model named: fine when --model gives it
+        if model is None:
+            if base is None:
+                raise UsageError(f"--adapter {adapter} names no base model it could be loaded on; pass --model")
+            model = base
+        elif base is not None and not _same_model(model, base):
+            log.warning("adapter %s was trained on %s but is applied to %s", adapter, base, model)
+    elif base_of_model is not None:
+        adapter, model = model, base_of_model
+    renderer_hint = None
+    if adapter is not None:
+        info = Path(adapter) / "tracegym.json"
+        if info.is_file():
+            try:
+                renderer_hint = json.loads(info.read_text(encoding="utf-8")).get("renderer")
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"cannot read {info}: {exc}") from exc
+    return model or DEFAULT_MODEL, adapter, renderer_hint
+
+
+def _merge_adapter(model: Any, adapter: str) -> Any:
+    """``model`` with the LoRA adapter in ``adapter`` merged into its weights (a plain model again)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+def build_policy(args: argparse.Namespace) -> PolicySetup:
+    """Load what ``args`` names (see the module doc). UsageError for bad combinations or unknown models."""
+    from tracegym.models import load, load_tokenizer
+    from tracegym.render import get_renderer
+
+    model_name, adapter, renderer_hint = resolve_model_and_adapter(args.model, args.adapter)
+    expert = args.policy == "expert"
+    if adapter is not None and expert:
+        raise UsageError("--adapter has no effect with --policy expert (the scripted expert uses no model weights)")
+    if adapter is not None and args.engine == "openai":
+        raise UsageError("--adapter needs a local model (--engine hf or vllm); with --engine openai serve the "
+                         "adapter from the server and name it with --model")
+
+    model = None
+    try:
+        if expert:
+            tokenizer = load_tokenizer(args.tokenizer or model_name)
+        elif args.engine == "hf":
+            model, tokenizer = load(model_name)
+            if adapter is not None:
+                model = _merge_adapter(model, adapter)
+            if args.tokenizer:
+                tokenizer = load_tokenizer(args.tokenizer)
+        elif args.engine == "openai":
+            tokenizer = load_tokenizer(args.tokenizer or "smollm2-135m")
+        else:
+            tokenizer = load_tokenizer(args.tokenizer or model_name)
+        renderer = get_renderer(args.renderer or renderer_hint or model_name, tokenizer)
+    except (ValueError, FileNotFoundError) as exc:  # UnknownModelError is a ValueError
+        raise UsageError(str(exc)) from exc
+
+    policy: Any
+    gap_model = None
+    if expert:
+        policy = "expert"
+    elif args.engine == "hf":
+        from tracegym.engines.hf import HFEngine
+
+        policy = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, max_batch_size=args.concurrency)
+        gap_model = model
+    elif args.engine == "openai":
+        from tracegym.engines.openai import OpenAIEngine
+
+        policy = OpenAIEngine(model_name, base_url=args.base_url, api_key_env=args.api_key_env)
+    else:
+        from tracegym.engines.vllm import VLLMEngine
+
+        policy = VLLMEngine(model_name, stop_token_ids=renderer.stop_token_ids)
+        if adapter is not None:
+            from peft import PeftModel
+
+            base, _ = load(model_name)
+            # the engine merges the adapter deltas into the weights it sends to vLLM
+            policy.update_weights(PeftModel.from_pretrained(base, adapter))
+            del base
+
+    return PolicySetup(
+        policy=policy,
+        renderer=renderer,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        adapter=adapter,
+        engine_name=None if expert else args.engine,
+        policy_name="expert" if expert else (adapter or model_name),
+        model=model,
+        gap_model=gap_model,
+    )
+
+
+def rollout_config(
+    args: argparse.Namespace,
+    setup: PolicySetup,
+    *,
+    max_turns: int,
+    temperature: float,
+    on_env_error: str = "exclude",
+    measure_logprob_gap: bool = False,
+) -> RolloutConfig:
+    """The ``RolloutConfig`` of ``args``; UsageError (naming the field) for invalid values."""
+    from pydantic import ValidationError
+
+    from tracegym.rollout import RolloutConfig
+
+    max_context = args.max_context if args.max_context is not None else setup.default_max_context()
+    try:
+        return RolloutConfig(
+            max_turns=max_turns,
+            max_tokens_per_turn=args.max_tokens_per_turn,
+            max_tokens_per_episode=args.max_tokens_per_episode,
+            max_context=max_context,
+            episode_timeout_s=args.timeout,
+            temperature=temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            samples_per_task=args.samples,
+            concurrency=args.concurrency,
+            on_env_error=on_env_error,
+            measure_logprob_gap=measure_logprob_gap and setup.gap_model is not None,
+        )
+    except ValidationError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def run_policy(
+    args: argparse.Namespace,
+    setup: PolicySetup,
+    tasks: Sequence[Task],
+    env_options: dict[str, Any],
+    config: RolloutConfig,
+    *,
+    writer: Any | None = None,
+    failed_writer: Any | None = None,
+) -> RolloutResult:
+    """Run every episode (``len(tasks) * config.samples_per_task``) and return the result."""
+    import asyncio
+
+    from tracegym.rollout import run_rollouts
+
+    return asyncio.run(
+        run_rollouts(
+            args.env, tasks, setup.policy, setup.renderer, config, writer=writer, progress=not args.no_progress,
+            failed_writer=failed_writer, env_options=env_options, policy_name=setup.policy_name,
+            gap_model=setup.gap_model,
+        )
+    )

@@ -1,0 +1,254 @@
+"""The main job (``tracegym demo``, run by ``make demo``): base -> SFT -> RL on the embedded model.
+
+Stages, each writing under ``output_dir`` (default ``runs/demo``):
+
+1. ``expert/``      the env's scripted expert on train tasks, recorded on the model's token path.
+2. ``base/``        evaluation of the untouched model on held-out test tasks (eval.json + plots).
+3. ``train_sft/``   SFT (LoRA) on the expert trajectories; ``sft/`` its evaluation.
+4. ``train_rl/``    RL (GRPO, LoRA) starting from the SFT adapter; ``rl/`` its evaluation.
+5. ``compare.json``, ``compare.png`` and ``report.html``; a table printed at the end.
+
+All three evaluations use the same test tasks, samples, temperature, turn budgets and seeds, so the
+differences are the training's alone. Nothing is tuned on the test tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, SFTConfig, _Section
+
+
+class DemoConfig(_Section):
+    """What the demo runs. Defaults are sized for a 2-core CPU (about 20 minutes in all)."""
+
+    model: str = "smollm2-135m"
+    """Model to start from (a known name or a local Hugging Face folder)."""
+
+    env: str = "calculator"
+    """Environment of every stage."""
+
+    env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 2})
+    """Options of the environment for RL and every evaluation (the task family the agent is scored on)."""
+
+    sft_env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": [1, 2]})
+    """Options of the environment for the expert data that SFT trains on."""
+
+    expert_tasks: int = Field(128, gt=0)
+    """Train tasks the scripted expert solves to make the SFT data."""
+
+    test_tasks: int = Field(40, gt=0)
+    """Held-out test tasks of every evaluation."""
+
+    eval_samples: int = Field(4, gt=0)
+    """Samples n per test task (pass@k for k <= n)."""
+
+    eval_ks: list[int] = Field(default_factory=lambda: [1, 2, 4])
+    """Sampling budgets k of pass@k."""
+
+    eval_turns: list[int] = Field(default_factory=lambda: [1, 2, 3, 4])
+    """Interaction budgets T of pass@(k,T); episodes run with the largest."""
+
+    temperature: float = Field(0.7, ge=0)
+    """Sampling temperature of evaluation and RL rollouts."""
+
+    max_tokens_per_turn: int = Field(64, gt=0)
+    """Token limit of one assistant turn (a tool call takes about 30)."""
+
+    sft_steps: int = Field(10, gt=0)
+    """SFT optimizer steps."""
+
+    sft_batch_size: int = Field(8, gt=0)
+    """Examples per SFT step."""
+
+    sft_lr: float = Field(2e-4, gt=0)
+    """SFT learning rate (LoRA)."""
+
+    rl_steps: int = Field(8, gt=0)
+    """RL optimizer steps."""
+
+    rl_tasks_per_step: int = Field(4, gt=0)
+    """Distinct train tasks per RL step."""
+
+    rl_group_size: int = Field(6, gt=0)
+    """Samples per task in an RL group (GRPO's group)."""
+
+    rl_lr: float = Field(1e-4, gt=0)
+    """RL learning rate (LoRA)."""
+
+    micro_batch_size: int = Field(2, gt=0)
+    """Sequences per forward/backward pass (memory: about 2 GiB per sequence of 450 tokens)."""
+
+    lora_r: int = Field(16, gt=0)
+    """LoRA rank of both training stages."""
+
+    seed: int = 0
+    """Seed of task draws, sampling and training."""
+
+    output_dir: str = "runs/demo"
+    """Where every stage writes."""
+
+    progress: bool = True
+    """Progress bars."""
+
+
+def _stage(title: str, started: float) -> None:
+    print(f"\n== [{time.perf_counter() - started:6.0f}s] {title}", flush=True)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run every stage; returns ``{"base": summary, "sft": summary, "rl": summary, "compare": ...}``."""
+    from tracegym.engines.hf import HFEngine
+    from tracegym.envs import make
+    from tracegym.eval.report import build_report
+    from tracegym.models import load, load_tokenizer
+    from tracegym.recipes.evaluate import evaluate_to_dir
+    from tracegym.recipes.rl import train_rl
+    from tracegym.recipes.sft import train_sft
+    from tracegym.render import get_renderer
+    from tracegym.rollout import RolloutConfig, run_rollouts_sync
+    from tracegym.data.store import TrajectoryWriter
+
+    started = time.perf_counter()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo_config.json").write_text(cfg.model_dump_json(indent=2), encoding="utf-8")
+    max_turns = max(cfg.eval_turns)
+    renderer = get_renderer(cfg.model, load_tokenizer(cfg.model))
+
+    # 1. expert data (train split of the SFT task family)
+    _stage(f"1/6 scripted expert on {cfg.expert_tasks} {cfg.env} train tasks {cfg.sft_env_options}", started)
+    train_tasks = make(cfg.env, **cfg.sft_env_options).tasks("train", cfg.expert_tasks, cfg.seed)
+    with TrajectoryWriter(out / "expert" / "trajectories.jsonl") as writer:
+        expert = run_rollouts_sync(cfg.env, train_tasks, "expert", renderer,
+                                   RolloutConfig(max_turns=8, max_tokens_per_turn=256, seed=cfg.seed),
+                                   writer=writer, progress=cfg.progress, env_options=cfg.sft_env_options,
+                                   policy_name="expert")
+    print(f"expert success rate {expert.stats.success_rate:.3f} on {expert.stats.episodes} episodes")
+
+    test_tasks = make(cfg.env, **cfg.env_options).tasks("test", cfg.test_tasks, cfg.seed)
+    eval_config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+                                temperature=cfg.temperature, samples_per_task=cfg.eval_samples,
+                                seed=cfg.seed + 12345, concurrency=64)
+    summaries: dict[str, dict[str, Any]] = {}
+
+    def evaluate(label: str, model_path: str) -> None:
+        model, tokenizer = load(model_path)
+        engine = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, max_batch_size=64)
+        summary, _, _ = evaluate_to_dir(cfg.env, test_tasks, engine, renderer, eval_config, cfg.eval_ks, cfg.eval_turns,
+                                        out / label, env_options=cfg.env_options, policy_name=label,
+                                        progress=cfg.progress, extra={"base_model": cfg.model, "checkpoint": model_path})
+        summaries[label] = summary
+        top = str(max_turns)
+        low, high = summary["pass_at_ci"][top]["1"]
+        print(f"{label}: pass@1 {summary['pass_at'][top]['1']:.3f} [{low:.3f}, {high:.3f}]  "
+              f"success {summary['success_rate']:.3f}")
+
+    # 2. the base model
+    _stage(f"2/6 evaluate the base model: {cfg.test_tasks} test tasks x {cfg.eval_samples} samples {cfg.env_options}", started)
+    evaluate("base", cfg.model)
+
+    # 3. SFT on the expert data
+    _stage(f"3/6 SFT: {cfg.sft_steps} steps x {cfg.sft_batch_size} expert trajectories (LoRA r={cfg.lora_r})", started)
+    sft_cfg = SFTConfig(
+        model=ModelConfig(name=cfg.model), lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
+        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=1, schedule="cosine"),
+        data={"train_files": [str(out / "expert" / "trajectories.jsonl")]},
+        max_steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.micro_batch_size,
+        seed=cfg.seed, output_dir=str(out / "train_sft"), checkpoint={"every": 0, "keep_last": 1},
+        logging={"tensorboard": True, "progress": cfg.progress},
+    )
+    _clear_run_dir(out / "train_sft")
+    sft = train_sft(sft_cfg)
+    _stage("4/6 evaluate the SFT model", started)
+    evaluate("sft", str(sft.final_dir))
+
+    # 4. RL from the SFT adapter
+    _stage(f"5/6 RL (GRPO): {cfg.rl_steps} steps x {cfg.rl_tasks_per_step} tasks x {cfg.rl_group_size} samples", started)
+    rl_cfg = RLConfig(
+        model=ModelConfig(name=cfg.model, adapter=str(sft.final_dir)),
+        lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
+        optim=OptimConfig(lr=cfg.rl_lr, warmup_steps=0, schedule="constant"),
+        env={"name": cfg.env, "options": cfg.env_options},
+        tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0, "seed": cfg.seed},
+        tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
+        rollout={"max_turns": max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
+                 "temperature": cfg.temperature, "concurrency": 64},
+        advantage={"estimator": "grpo"},
+        policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
+        eval={"every": 0, "at_start": False}, seed=cfg.seed, output_dir=str(out / "train_rl"),
+        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
+    )
+    _clear_run_dir(out / "train_rl")
+    rl = train_rl(rl_cfg)
+    _stage("6/6 evaluate the RL model", started)
+    evaluate("rl", str(rl.final_dir))
+
+    # 5. compare and report
+    comparison = compare_summaries(summaries, str(max_turns))
+    (out / "compare.json").write_text(json.dumps(comparison, indent=2), encoding="utf-8")
+    report = build_report(out, tokenizer=load_tokenizer(cfg.model))
+    _stage(f"done: {out}/{{base,sft,rl}}/eval.json, {report}", started)
+    print_comparison(comparison, cfg, time.perf_counter() - started)
+    return {**summaries, "compare": comparison}
+
+
+def _clear_run_dir(path: Path) -> None:
+    """A fresh demo run starts fresh training runs (the demo is not resumable stage by stage)."""
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def compare_summaries(summaries: dict[str, dict[str, Any]], top_turns: str) -> dict[str, Any]:
+    """pass@1 with CIs per stage, and paired bootstrap differences (sft - base, rl - sft)."""
+    from tracegym.eval.metrics import paired_bootstrap_diff
+
+    rows = {}
+    for label, s in summaries.items():
+        rows[label] = {
+            "pass@1": s["pass_at"][top_turns]["1"],
+            "pass@1_ci": s["pass_at_ci"][top_turns]["1"],
+            "pass_at": s["pass_at"],
+            "success_rate": s["success_rate"],
+            "turns": s["cost"]["turns"],
+            "generated_tokens": s["cost"]["generated_tokens"],
+            "tool_calls": s["cost"]["tool_calls"],
+        }
+    def solved(label: str) -> dict[str, tuple[int, int]]:
+        return {t: (v["n"], v["solved"][top_turns]) for t, v in summaries[label]["per_task"].items()}
+
+    diffs = {}
+    for new, old in (("sft", "base"), ("rl", "sft"), ("rl", "base")):
+        if new in summaries and old in summaries:
+            diff, low, high, shared = paired_bootstrap_diff(solved(old), solved(new), 1)
+            diffs[f"{new}-{old}"] = {"diff": diff, "ci": [low, high], "tasks": shared}
+    return {"turns": int(top_turns), "stages": rows, "paired_diff_pass@1": diffs}
+
+
+def print_comparison(comparison: dict[str, Any], cfg: DemoConfig, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{cfg.model} on {cfg.env} {cfg.env_options}: {cfg.test_tasks} held-out tasks x "
+                        f"{cfg.eval_samples} samples, T={comparison['turns']}, temperature {cfg.temperature}")
+    for column in ("stage", "pass@1 [95% CI]", f"pass@{max(cfg.eval_ks)}", "success", "turns", "tokens/episode"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    top = str(comparison["turns"])
+    for label, row in comparison["stages"].items():
+        low, high = row["pass@1_ci"]
+        table.add_row(label, f"{row['pass@1']:.3f} [{low:.3f}, {high:.3f}]",
+                      f"{row['pass_at'][top].get(str(max(cfg.eval_ks)), float('nan')):.3f}",
+                      f"{row['success_rate']:.3f}", f"{row['turns']:.2f}", f"{row['generated_tokens']:.1f}")
+    console = Console()
+    console.print(table)
+    for name, d in comparison["paired_diff_pass@1"].items():
+        console.print(f"  {name}: Δpass@1 {d['diff']:+.3f}  95% CI [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] (paired bootstrap over tasks)")
+    console.print(f"  total time {seconds / 60:.1f} min")

@@ -1,0 +1,66 @@
+"""Evaluate a policy on held-out tasks and write ``eval.json`` + plots: the library form of
+``tracegym eval``, shared by the command, the demo and anyone scripting evaluations.
+
+All episodes run once at the largest turn budget; every smaller T is scored from the same episodes.
+Failed episodes (env error, engine error, timeout) stay in the sample as unsolved: dropping them
+would bias pass@k upwards when failures go with hard tasks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from tracegym.data.store import TrajectoryWriter
+from tracegym.eval import summarize, write_eval
+from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
+
+
+def evaluate_to_dir(
+    env: str,
+    tasks: Sequence[Any],
+    policy: Any,
+    renderer: Any,
+    config: RolloutConfig,
+    ks: Sequence[int],
+    turns: Sequence[int],
+    out: str | Path,
+    *,
+    env_options: dict[str, Any] | None = None,
+    policy_name: str | None = None,
+    split: str = "test",
+    gap_model: Any | None = None,
+    bootstrap: int = 1000,
+    extra: dict[str, Any] | None = None,
+    progress: bool = True,
+    plots: bool = True,
+) -> tuple[dict[str, Any], RolloutResult, dict[str, Path]]:
+    """Run ``config.samples_per_task`` episodes per task and write ``out/eval.json``, the task-ordered
+    ``trajectories.jsonl`` and the plots. Returns (summary, rollout result, written files)."""
+    if config.max_turns < max(turns):
+        raise ValueError(f"max_turns {config.max_turns} is below the largest turn budget {max(turns)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Streamed as episodes end (a crash keeps what ran), rewritten in task order by write_eval.
+    with TrajectoryWriter(out / "trajectories.jsonl") as writer:
+        result = run_rollouts_sync(env, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
+                                   progress=progress, env_options=env_options, policy_name=policy_name,
+                                   gap_model=gap_model)
+    order = {task.id: i for i, task in enumerate(tasks)}
+    episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))
+    summary = summarize(episodes, ks=list(ks), turns=list(turns), env=env,
+                        model=policy_name or episodes[0].policy if episodes else policy_name,
+                        split=split, n_bootstrap=bootstrap)
+    summary.update({
+        "env_options": dict(env_options or {}),
+        "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
+                     "max_tokens_per_turn": config.max_tokens_per_turn,
+                     "max_tokens_per_episode": config.max_tokens_per_episode,
+                     "max_context": config.max_context, "episode_timeout_s": config.episode_timeout_s},
+        "rollout": {"episodes": result.stats.episodes, "failed": result.stats.failed,
+                    "wall_time_s": round(result.stats.wall_time_s, 3),
+                    "generated_tokens": result.stats.generated_tokens},
+    })
+    summary.update(extra or {})
+    written = write_eval(out, summary, episodes, plots=plots)
+    return summary, result, written
