@@ -257,7 +257,8 @@ def _table(ours: dict[str, Any], trl: dict[str, Any], job: dict[str, Any]) -> st
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
     setup = (f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} new tokens, LoRA r={LORA_R}, "
-             f"{job['warmup']} warmup + {job['steps']} timed steps, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, "
+             f"prompts of {', '.join(str(len(p['ids'])) for p in job['prompts'])} tokens, "
+             f"{job['warmup']} warmup + {job['steps']} timed steps, OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS') or 'unset'}, "
              f"TRL {trl.get('versions', {}).get('trl', '?')}")
     return setup + "\n" + "\n".join(lines)
 
