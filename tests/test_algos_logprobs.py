@@ -51,3 +51,43 @@ def test_bfloat16_logits_give_float32_logprobs_and_bad_input_raises():
         logprobs_from_logits(logits, torch.zeros(2, 5, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="do not match"):
         logprobs_from_logits(logits, torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_first_column_skips_the_output_layer_but_changes_nothing_trained(tiny_model):
+    """Log-probs and entropies from ``first_column`` on equal the full computation there (values and
+    LoRA-free full gradients), and the model really computes fewer logits."""
+    from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
+
+    model, _ = tiny_model
+    torch.manual_seed(0)
+    ids = torch.randint(3, 1000, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # a right-padded row
+    first = 6
+
+    full_lp, full_h = token_logprobs_and_entropy(model, ids, mask, temperature=0.7)
+    part_lp, part_h = token_logprobs_and_entropy(model, ids, mask, temperature=0.7, first_column=first)
+    assert part_lp.shape == full_lp.shape == (2, 11)
+    torch.testing.assert_close(part_lp[:, first:], full_lp[:, first:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part_h[:, first:], full_h[:, first:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(part_lp[:, :first], torch.zeros(2, first))
+
+    # gradients of a loss on the kept columns are the same either way
+    weight = model.get_input_embeddings().weight
+    grads = []
+    for column in (0, first):
+        model.zero_grad(set_to_none=True)
+        token_logprobs(model, ids, mask, first_column=column)[:, first:].sum().backward()
+        grads.append(weight.grad.clone())
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[1]))
+    try:
+        token_logprobs(model, ids, mask, first_column=first)
+    finally:
+        handle.remove()
+    assert calls == [12 - first]  # the output layer saw only the kept positions
+    with pytest.raises(ValueError, match="first_column"):
+        token_logprobs(model, ids, mask, first_column=11)

@@ -78,6 +78,12 @@ class Batch:
         return self.attention_mask.sum(dim=-1)
 
     @property
+    def first_loss_column(self) -> int:
+        """First target column any row trains on (0 when none): the output layer can start there."""
+        trained = self.loss_mask.any(dim=0).nonzero()
+        return int(trained[0]) if trained.numel() else 0
+
+    @property
     def num_loss_tokens(self) -> int:
         """Trained tokens in these rows."""
         return int(self.loss_mask.sum())

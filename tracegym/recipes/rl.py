@@ -117,7 +117,8 @@ def policy_logprobs(model: torch.nn.Module, batch: Any, micro_batch_size: int, d
     context = model.disable_adapter() if disable_adapter else nullcontext()
     with torch.no_grad(), context:
         for part in parts:
-            values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature))
+            values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
+                                         first_column=part.first_loss_column))
     return merge_microbatch_rows(batch, parts, values)
 
 
@@ -358,7 +359,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     for part in split_microbatches(batch, cfg.micro_batch_size):
                         part = part.to(device)
                         # entropy comes from the same logits: logged every step, and used by entropy_coef/entropy_clip
-                        logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature)
+                        logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature,
+                                                                       first_column=part.first_loss_column)
                         loss, m = compute_policy_loss(part, logprobs, entropy, loss_cfg)
                         loss.backward()
                         part_metrics.append(m)

@@ -133,7 +133,8 @@ def accumulate_sft_gradients(
     loss_sum = 0.0
     for micro in split_microbatches(batch, micro_batch_size):
         micro = micro.to(device)
-        logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask)  # [b, T], target-aligned
+        # [b, T], target-aligned; the output layer runs only from the first trained column on
+        logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, first_column=micro.first_loss_column)
         loss, _ = sft_loss(logprobs, micro.loss_mask, micro.weights, normalizers=micro.normalizers)
         if torch.is_grad_enabled():
             loss.backward()

@@ -107,42 +107,67 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int = DE
     return _run(logits, None, temperature, chunk_rows, with_entropy=True)[1]
 
 
-def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0) -> Tensor:
+    """Logits of positions ``first_column .. L-1``: [B, L - first_column, V].
+
+    ``logits_to_keep`` makes the model apply its output layer to those positions only: the hidden
+    states of the prompt are still computed (later tokens attend to them), but the [*, V] projection,
+    softmax and their backward are skipped where nothing is trained, which is most of an agent
+    episode's tokens (system prompt, tool schemas, tool results)."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
         )
-    if input_ids.shape[1] < 2:
+    length = input_ids.shape[1]
+    if length < 2:
         raise ValueError("sequences need at least 2 tokens to have a next-token log-prob")
-    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return output.logits if hasattr(output, "logits") else output  # [B, L, V]
+    if not 0 <= first_column < length - 1:
+        raise ValueError(f"first_column must be in [0, {length - 2}] for sequences of {length} tokens, got {first_column}")
+    kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
+    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    logits = output.logits if hasattr(output, "logits") else output
+    if logits.shape[1] != length - first_column:  # a model without logits_to_keep support
+        logits = logits[:, first_column:].contiguous()
+    return logits  # [B, L - first_column, V]
 
 
-def _shifted_targets(input_ids: Tensor) -> Tensor:
-    """[B, L] targets for all L positions: position t predicts token t + 1; the last position gets
-    a dummy target 0 and its output column is dropped (cheaper than slicing the [B, L, V] logits)."""
-    return torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+def _shifted_targets(input_ids: Tensor, first_column: int = 0) -> Tensor:
+    """Targets of positions ``first_column .. L-1``: position t predicts token t + 1; the last
+    position gets a dummy target 0 and its output column is dropped (cheaper than slicing the
+    [B, L, V] logits)."""
+    return torch.cat([input_ids[:, first_column + 1 :], torch.zeros_like(input_ids[:, :1])], dim=1)
+
+
+def _pad_front(values: Tensor, first_column: int) -> Tensor:
+    """[B, L-1-first_column] -> [B, L-1] with zeros in front (columns that were not computed)."""
+    if first_column == 0:
+        return values
+    return torch.cat([values.new_zeros(values.shape[0], first_column), values], dim=1)
 
 
 def token_logprobs(
-    model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0,
 ) -> Tensor:
     """Log-prob of each next token under ``model``: [B, L] ids -> [B, L-1] float32 (target-aligned).
 
-    Values at padded positions are meaningless; mask them with ``Batch.loss_mask``.
+    Values at padded positions are meaningless; mask them with ``Batch.loss_mask``. Columns before
+    ``first_column`` are not computed and hold 0 (pass ``Batch.first_loss_column``).
     """
-    logits = _forward_logits(model, input_ids, attention_mask)
-    logp, _ = _run(logits, _shifted_targets(input_ids), temperature, chunk_rows, with_entropy=False)
-    return logp[:, :-1]
+    logits = _forward_logits(model, input_ids, attention_mask, first_column)
+    logp, _ = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=False)
+    return _pad_front(logp[:, :-1], first_column)
 
 
 def token_logprobs_and_entropy(
-    model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass."""
-    logits = _forward_logits(model, input_ids, attention_mask)
-    logp, entropy = _run(logits, _shifted_targets(input_ids), temperature, chunk_rows, with_entropy=True)
-    return logp[:, :-1], entropy[:, :-1]
+    """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass;
+    columns before ``first_column`` hold 0."""
+    logits = _forward_logits(model, input_ids, attention_mask, first_column)
+    logp, entropy = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=True)
+    return _pad_front(logp[:, :-1], first_column), _pad_front(entropy[:, :-1], first_column)
 
 
 __all__ = ["logprobs_from_logits", "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
