@@ -219,3 +219,124 @@ def test_vllm_missing_gives_the_install_hint():
         pytest.skip("vllm is installed here")
     with pytest.raises(ImportError, match=r"pip install tracegym\[gpu\]"):
         make_engine("vllm", model="smollm2-135m")
+
+
+# -- shared-prefix caching -------------------------------------------------------------------------
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SHARED = _ids(40, 0)  # a "system prompt + tool schemas" shared by every prompt below
+# suffixes start with distinct tokens, so the common prefix is exactly SHARED; the first prompt is
+# SHARED + 1 token (the cap min_len - 1 = 40 equals the common prefix)
+SUFFIXES = [[7], [11, *_ids(2, 1)], [13, *_ids(6, 2)], [17, *_ids(11, 3)]]
+SHARED_PROMPTS = [SHARED + s for s in SUFFIXES]
+
+
+def _compare(out_a, out_b) -> float:
+    """Assert the same tokens and finish reasons; return the largest log-prob difference."""
+    worst = 0.0
+    for gens_a, gens_b in zip(out_a, out_b, strict=True):
+        for a, b in zip(gens_a, gens_b, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            worst = max(worst, max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=10),
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, n=3, seed=11),
+        SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=2),
+    ],
+)
+def test_prefix_cache_equals_the_plain_path(tiny, params):
+    model, _ = tiny
+    cached, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
+    out = cached.generate(SHARED_PROMPTS, params)
+    ref = plain.generate(SHARED_PROMPTS, params)
+    assert _compare(out, ref) < 1e-4
+    total = params.n * sum(len(p) for p in SHARED_PROMPTS)
+    computed = 40 + sum(len(s) for s in SUFFIXES)  # the prefix once, each distinct suffix once
+    assert plain.prefill_tokens == total and plain.prefix_tokens_reused == 0
+    assert cached.prefill_tokens == computed and cached.prefix_tokens_reused == total - computed
+    assert cached.forward_calls == plain.forward_calls + 1  # one extra pass: the shared prefix
+    # and both equal a teacher-forced forward of each unpadded sequence
+    for prompt, gens in zip(SHARED_PROMPTS, out):
+        for g in gens:
+            ref_lp = teacher_forced(model, prompt, g.token_ids, params.temperature, params.top_p)
+            assert torch.allclose(ref_lp, torch.tensor(g.logprobs), atol=1e-4)
+
+
+def test_prefix_cache_across_chunks_and_stops(tiny):
+    model, _ = tiny
+    greedy = SamplingParams(temperature=0.0, max_tokens=9, n=2)
+    ref = HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS, greedy)
+    # stop on a token some rows produce, so rows leave the batch mid-way
+    stop = ref[2][0].token_ids[3]
+    params = greedy.model_copy(update={"stop_token_ids": (stop,)})
+    ref = HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS, params)
+    assert any(g.finish_reason == "stop" for gens in ref for g in gens)
+    for batch in (1, 3, 5, 8):
+        engine = HFEngine(model, max_batch_size=batch)
+        assert _compare(engine.generate(SHARED_PROMPTS, params), ref) < 1e-4
+        # batch 1: nothing to share; otherwise each chunk reuses its prefix and repeated prompts
+        assert (engine.prefix_tokens_reused == 0) == (batch == 1)
+    whole = HFEngine(model, max_batch_size=8)
+    whole.generate(SHARED_PROMPTS, params)
+    assert whole.prefill_tokens == 40 + sum(len(s) for s in SUFFIXES)
+
+
+def test_a_prompt_that_is_a_prefix_of_another(tiny):
+    model, _ = tiny
+    short = SHARED[:30]
+    prompts = [short, SHARED + [5, 6], SHARED]  # common prefix 30 = len(short): capped to 29
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = HFEngine(model)
+    out = engine.generate(prompts, params)
+    assert _compare(out, HFEngine(model, prefix_cache=False).generate(prompts, params)) < 1e-4
+    assert engine.prefill_tokens == 29 + (1 + 13 + 11)
+    assert engine._shared_prefix_len(prompts, _dynamic_cache()) == 29
+
+
+def test_identical_prompts_are_prefilled_once(tiny):
+    model, _ = tiny
+    prompt = PROMPTS[2]  # 12 tokens, below the shared-prefix threshold: only deduplication helps
+    params = SamplingParams(temperature=0.8, max_tokens=7, n=4, seed=3)
+    engine = HFEngine(model)
+    out = engine.generate([prompt, prompt], params)
+    ref = HFEngine(model, prefix_cache=False).generate([prompt, prompt], params)
+    assert _compare(out, ref) < 1e-4
+    assert engine.prefill_tokens == 12 and engine.prefix_tokens_reused == 7 * 12
+    assert len({g.token_ids for gens in out for g in gens}) > 1  # the copies still sample apart
+    # whole-prompt repeats and a shared prefix together: 2 distinct prompts x 3 samples
+    engine = HFEngine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=5, n=3)
+    out = engine.generate(SHARED_PROMPTS[1:3], params)
+    assert _compare(out, HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS[1:3], params)) < 1e-4
+    assert engine.prefill_tokens == 40 + 3 + 7
+
+
+def _dynamic_cache(config=None):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def test_shared_prefix_threshold_and_unsafe_caches(tiny):
+    model, _ = tiny
+    engine = HFEngine(model)
+    assert engine._shared_prefix_len(SHARED_PROMPTS, _dynamic_cache(model.config)) == 40
+    assert engine._shared_prefix_len(SHARED_PROMPTS[:1], _dynamic_cache()) == 0  # one prompt: nothing to share
+    assert HFEngine(model, min_shared_prefix=41)._shared_prefix_len(SHARED_PROMPTS, _dynamic_cache()) == 0
+    # short common prefixes are not worth a separate pass: same calls as the plain path
+    engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=2))
+    assert engine.prefix_tokens_reused == 0 and engine.forward_calls == 2
+    # sliding-window layers would see the hole between prefix and suffix differently: no split
+    from transformers import MistralConfig
+
+    sliding = MistralConfig(num_hidden_layers=2, sliding_window=8)
+    assert engine._shared_prefix_len(SHARED_PROMPTS, _dynamic_cache(sliding)) == 0
+    with pytest.raises(ValueError, match="min_shared_prefix"):
+        HFEngine(model, min_shared_prefix=0)

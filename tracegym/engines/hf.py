@@ -12,6 +12,26 @@ Left padding: prompts of different lengths are left-padded, with an attention ma
 see alone. In fp32 the returned log-probs equal a teacher-forced forward pass of the unpadded
 sequence to ~1e-6 (tested).
 
+Shared prompts (``prefix_cache=True``, the default): agent prompts in one chunk mostly start with
+the same system prompt and tool schemas, and RL groups / pass@k repeat whole prompts n times, so
+prefill would recompute the same keys and values many times. Two exact savings, in this order:
+
+1. identical prompts are prefilled once; their cache rows and last logits are then copied to every
+   row that asked for them (``batch_select_indices`` with repeated indices);
+2. among the distinct prompts, the longest common prefix (capped so each prompt keeps at least one
+   token of its own) is run once with batch 1, its cache repeated to the batch
+   (``batch_repeat_interleave``), and only the left-padded suffixes are prefilled. The cache then
+   reads ``[prefix | pad | suffix]``: the 2D attention mask ``[1]*P + [0]*pad + [1]*S`` leaves a hole
+   that transformers' mask creation turns into a per-key padding mask, and position ids continue
+   from ``P`` so every real token sits at the position it has in its own unpadded sequence.
+
+Both change only float rounding (the same tokens are computed in other batch shapes): in fp32 the
+log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst case measured on
+SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Step 2 runs only when every
+cache layer is a plain full-attention ``DynamicLayer``; sliding-window or recurrent layers would see
+the hole differently.
+``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped.
+
 Weight sync (``update_weights``): the engine holds a *reference* to a module. Passing the trainer's
 module (a plain model or a peft/LoRA ``PeftModel``) makes the engine generate with it directly: no
 copy, no reload from disk, LoRA adapters applied by peft's forward. Passing a state dict copies the
@@ -78,6 +98,9 @@ class HFEngine(Engine):
             addition to ``SamplingParams.stop_token_ids``.
         max_batch_size: rows decoded together; larger requests are split into chunks.
         pad_token_id: any id; padded positions are masked out, so the value does not matter.
+        prefix_cache: prefill identical prompts once and a chunk's shared prompt prefix once (see
+            the module docstring); ``False`` prefills every row's whole prompt.
+        min_shared_prefix: shortest common prefix (tokens) worth a separate forward pass.
     """
 
     name = "hf"
@@ -91,18 +114,30 @@ class HFEngine(Engine):
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = 64,
         pad_token_id: int = 0,
+        prefix_cache: bool = True,
+        min_shared_prefix: int = 16,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if min_shared_prefix < 1:
+            raise ValueError("min_shared_prefix must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
-        self.forward_calls = 0  # model forward passes so far (benchmarks and tests read it)
+        self.prefix_cache = prefix_cache
+        self.min_shared_prefix = min_shared_prefix
+        # counters over the engine's life (benchmarks and tests read them):
+        self.forward_calls = 0  # model forward passes
+        self.prefill_tokens = 0  # prompt tokens run through the model (padding excluded)
+        self.prefix_tokens_reused = 0  # prompt tokens whose keys/values were copied, not computed
 
     def __repr__(self) -> str:
-        return f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size})"
+        return (
+            f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
+            f"prefix_cache={self.prefix_cache})"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -162,21 +197,9 @@ class HFEngine(Engine):
         if params.max_tokens == 0:
             return [self._make_generation(t, lp, "length") for t, lp in zip(tokens, logps)]
 
-        max_len = max(len(p) for p in prompts)
-        input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, max_len - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, max_len - len(p) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        # position of each real token in its own sequence; pads get 0 (masked anyway)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
         cache = DynamicCache(config=getattr(self.model, "config", None))
-        logits = self._forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
-        )
+        logits, attention_mask, next_pos = self._prefill(prompts, cache)
         alive = list(range(n_rows))  # row index of each batch position still decoding
-        next_pos = position_ids[:, -1:] + 1  # [B, 1]
         greedy = params.temperature <= 0.0
         while True:
             lp_all = sampling_logprobs(logits, params.temperature, params.top_p)  # [B, V]
@@ -215,6 +238,82 @@ class HFEngine(Engine):
             )
             next_pos = next_pos + 1
         return [self._make_generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish)]
+
+    def _prefill(
+        self, prompts: list[list[int]], cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the chunk's prompts into ``cache``.
+
+        Returns the last-position logits [B, V], the attention mask over the cache [B, K] and the
+        position of each row's next token [B, 1].
+        """
+        n_rows = len(prompts)
+        if not self.prefix_cache:
+            self.prefill_tokens += sum(len(p) for p in prompts)
+            return self._prefill_rows(prompts, cache, prefix_len=0)
+        # distinct prompts, in first-seen order; row_source[r] = index of row r's prompt among them
+        first_seen: dict[tuple[int, ...], int] = {}
+        row_source = [first_seen.setdefault(tuple(p), len(first_seen)) for p in prompts]
+        distinct = [list(p) for p in first_seen]
+        prefix_len = self._shared_prefix_len(distinct, cache)
+        computed = prefix_len + sum(len(p) - prefix_len for p in distinct)
+        self.prefill_tokens += computed
+        self.prefix_tokens_reused += sum(len(p) for p in prompts) - computed
+        logits, attention_mask, next_pos = self._prefill_rows(distinct, cache, prefix_len)
+        if len(distinct) < n_rows:
+            # copy each distinct prompt's cache row, mask, position and logits to its rows
+            source = torch.tensor(row_source, dtype=torch.long, device=logits.device)
+            cache.batch_select_indices(source)
+            logits, attention_mask, next_pos = logits[source], attention_mask[source], next_pos[source]
+        return logits, attention_mask, next_pos
+
+    def _shared_prefix_len(self, prompts: list[list[int]], cache: Any) -> int:
+        """Tokens of the common prefix worth computing once (0 when not worth it or not safe)."""
+        from transformers.cache_utils import DynamicLayer
+
+        if len(prompts) < 2:
+            return 0
+        # the hole between prefix and suffix is only exact for plain full-attention layers
+        if not all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ())):
+            return 0
+        first, shortest = prompts[0], min(len(p) for p in prompts)
+        common = 0
+        # each prompt keeps >= 1 token of its own so the suffix pass yields every row's logits
+        while common < shortest - 1 and all(p[common] == first[common] for p in prompts):
+            common += 1
+        return common if common >= self.min_shared_prefix else 0
+
+    def _prefill_rows(
+        self, prompts: list[list[int]], cache: Any, prefix_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill ``prompts`` (sharing their first ``prefix_len`` tokens when > 0) into ``cache``."""
+        device = self.device
+        n_rows = len(prompts)
+        if prefix_len > 0:
+            prefix = torch.tensor([prompts[0][:prefix_len]], dtype=torch.long, device=device)  # [1, P]
+            self._forward(
+                input_ids=prefix,
+                attention_mask=torch.ones_like(prefix),
+                position_ids=torch.arange(prefix_len, device=device)[None],
+                cache=cache,
+            )  # the logits are not needed: every row has a suffix token after the prefix
+            cache.batch_repeat_interleave(n_rows)  # [1, H, P, D] -> [B, H, P, D] per layer
+        suffixes = [p[prefix_len:] for p in prompts]
+        max_len = max(len(s) for s in suffixes)
+        input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
+        suffix_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
+        for i, s in enumerate(suffixes):
+            input_ids[i, max_len - len(s) :] = torch.tensor(s, dtype=torch.long)
+            suffix_mask[i, max_len - len(s) :] = 1
+        input_ids, suffix_mask = input_ids.to(device), suffix_mask.to(device)
+        # position of each real token in its own sequence; pads get a valid dummy (masked anyway)
+        position_ids = prefix_len + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        # mask over the whole cache: [1]*P (shared prefix) + [0]*pad + [1]*suffix, shape [B, P + S]
+        attention_mask = torch.cat([suffix_mask.new_ones((n_rows, prefix_len)), suffix_mask], dim=-1)
+        logits = self._forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
+        )
+        return logits, attention_mask, position_ids[:, -1:] + 1
 
     def _hits_stop_string(self, tokens: list[int], stops: Sequence[str]) -> bool:
         if self.tokenizer is None:
