@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from tracegym.render.base import BuildStats, Renderer
-from tracegym.types import Trajectory, TrainingExample
+from tracegym.types import Trajectory, TrainingExample, read_json_rows
 
 RecordKind = Literal["trajectory", "example"]
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
@@ -55,22 +55,7 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
                 if isinstance(row.get(key), str):
                     row[key] = json.loads(row[key])
         return rows, 0
-    rows, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                skipped += 1
-    return rows, skipped
+    return read_json_rows(path)
 
 
 def load_records(path: str | Path) -> LoadedRecords:

@@ -199,14 +199,34 @@ def write_jsonl(path: str | Path, items: Iterable[BaseModel], append: bool = Fal
     return n
 
 
-def read_jsonl(path: str | Path, cls: type[BaseModel]) -> Iterator[Any]:
-    """Read JSON lines into ``cls``; a torn last line (crash mid-write) is skipped, not fatal."""
-    with open(path, encoding="utf-8") as f:
+def read_json_rows(path: str | Path, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The JSON-object lines of a JSONL file, and how many lines were unreadable.
+
+    A torn line (a crash mid-write) or a line that is not a JSON object is counted and skipped, never
+    fatal: every reader of tracegym's JSONL files (trajectories, examples, metrics) goes through here.
+    """
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                yield cls.model_validate(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
+                bad += 1
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows, bad
+
+
+def read_jsonl(path: str | Path, cls: type[BaseModel]) -> Iterator[Any]:
+    """Read JSON lines into ``cls``; a torn last line (crash mid-write) is skipped, not fatal."""
+    for row in read_json_rows(path)[0]:
+        yield cls.model_validate(row)

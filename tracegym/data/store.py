@@ -8,13 +8,12 @@ columns for quick filtering plus the full trajectory as JSON) for analysis tools
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from tracegym.types import Trajectory
+from tracegym.types import Trajectory, read_jsonl
 
 __all__ = ["TrajectoryWriter", "read_trajectories", "export_parquet"]
 
@@ -71,16 +70,7 @@ class TrajectoryWriter:
 def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
     """Read a JSONL trajectory file; a torn (partial) line from a crash is skipped, a line that is
     valid JSON but not a Trajectory raises (that is a bug, not a crash artefact)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            yield Trajectory.model_validate(data)
+    yield from read_jsonl(path, Trajectory)
 
 
 def export_parquet(jsonl_path: str | Path, parquet_path: str | Path) -> int:

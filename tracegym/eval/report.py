@@ -29,7 +29,7 @@ from markupsafe import Markup
 
 from tracegym.eval.evaluate import EVAL_FILE, atomic_write_text, load_eval
 from tracegym.eval.metrics import assistant_turns
-from tracegym.types import Message, Trajectory
+from tracegym.types import Message, Trajectory, read_json_rows
 
 __all__ = ["EVAL_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer", "find_run_files", "render_report"]
 
@@ -113,24 +113,7 @@ def _label(path: Path, root: Path) -> str:
 
 def _read_json_lines(path: Path, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
     """Rows of a JSONL file and how many lines were unreadable (torn or not JSON objects)."""
-    rows, bad = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad += 1
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows, bad
+    return read_json_rows(path, limit)
 
 
 def _png_uri(png: bytes) -> str:

@@ -33,7 +33,7 @@ class DemoConfig(_Section):
     env: str = "calculator"
     """Environment of every stage."""
 
-    env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 2})
+    env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 1})
     """Options of the environment for RL and every evaluation (the task family the agent is scored on)."""
 
     sft_env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": [1, 2]})
@@ -57,19 +57,19 @@ class DemoConfig(_Section):
     temperature: float = Field(0.7, ge=0)
     """Sampling temperature of evaluation and RL rollouts."""
 
-    max_tokens_per_turn: int = Field(64, gt=0)
+    max_tokens_per_turn: int = Field(48, gt=0)
     """Token limit of one assistant turn (a tool call takes about 30)."""
 
-    sft_steps: int = Field(10, gt=0)
+    sft_steps: int = Field(16, gt=0)
     """SFT optimizer steps."""
 
     sft_batch_size: int = Field(8, gt=0)
     """Examples per SFT step."""
 
-    sft_lr: float = Field(2e-4, gt=0)
+    sft_lr: float = Field(3e-4, gt=0)
     """SFT learning rate (LoRA)."""
 
-    rl_steps: int = Field(8, gt=0)
+    rl_steps: int = Field(12, gt=0)
     """RL optimizer steps."""
 
     rl_tasks_per_step: int = Field(4, gt=0)
@@ -78,7 +78,7 @@ class DemoConfig(_Section):
     rl_group_size: int = Field(6, gt=0)
     """Samples per task in an RL group (GRPO's group)."""
 
-    rl_lr: float = Field(1e-4, gt=0)
+    rl_lr: float = Field(2e-4, gt=0)
     """RL learning rate (LoRA)."""
 
     micro_batch_size: int = Field(2, gt=0)

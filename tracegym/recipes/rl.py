@@ -37,13 +37,9 @@ network with the adapter disabled (no second copy in memory); with full fine-tun
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import statistics
 import time
-import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,10 +57,10 @@ from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.render import BuildStats, get_renderer
 from tracegym.rollout import RolloutConfig, run_rollouts_sync
-from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
-from tracegym.train.lora import count_parameters, is_peft_model, prepare_model, save_weights
+from tracegym.train.lora import count_parameters, is_peft_model, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrainingExample, Trajectory
@@ -159,21 +155,6 @@ def evaluate_policy(cfg: RLConfig, engine: Any, renderer: Any, tasks: Sequence[A
     pass1 = summary["pass_at"][str(cfg.rollout.max_turns)]["1"]
     return {"eval/pass@1": pass1, "eval/success_rate": summary["success_rate"],
             "eval/turns": summary["cost"]["turns"], "eval/env_errors": float(result.stats.failed)}
-
-
-def _save_final(model: torch.nn.Module, tokenizer: Any, cfg: RLConfig, run_dir: Path) -> Path:
-    """Write ``run_dir/final`` atomically (adapter or full model, tokenizer, provenance)."""
-    final = run_dir / "final"
-    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-    save_weights(model, tmp)
-    tokenizer.save_pretrained(str(tmp))
-    info = {"base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name,
-            "recipe": "rl", "env": cfg.env.name}
-    (tmp / "tracegym.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
 
 
 # --- the loop ----------------------------------------------------------------------------------
@@ -405,7 +386,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
                 state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}}
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = _save_final(model, tokenizer, cfg, run_dir)
+        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
+                                                             "renderer": cfg.model.renderer or cfg.model.name,
+                                                             "recipe": "rl", "env": cfg.env.name})
     finally:
         progress.close()
         logger.close()

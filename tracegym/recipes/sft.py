@@ -24,11 +24,7 @@ What it does, top to bottom:
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,10 +37,10 @@ from tracegym.batch import make_batch, split_microbatches
 from tracegym.config import SFTConfig, dump_config
 from tracegym.data.store import read_trajectories
 from tracegym.render import BuildStats, get_renderer
-from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs
-from tracegym.train.lora import count_parameters, prepare_model, save_weights
+from tracegym.train.lora import count_parameters, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrainingExample
@@ -153,20 +149,6 @@ def evaluate_loss(model: torch.nn.Module, examples: Sequence[TrainingExample], m
     return {"eval/loss": out["loss"], "eval/loss_tokens": float(out["loss_tokens"])}
 
 
-def _save_final(model: torch.nn.Module, tokenizer: Any, cfg: SFTConfig, run_dir: Path) -> Path:
-    """Write ``run_dir/final`` atomically: adapter or full model, tokenizer, and what it was built from."""
-    final = run_dir / "final"
-    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-    save_weights(model, tmp)
-    tokenizer.save_pretrained(str(tmp))
-    info = {"base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name}
-    (tmp / "tracegym.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
-
-
 def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = None) -> SFTResult:
     """Run SFT as ``cfg`` says. ``resume`` continues from the latest checkpoint in ``cfg.output_dir``.
 
@@ -271,7 +253,8 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
                 state = {"data": {"epoch": epoch, "position": position, "seed": cfg.seed, "shuffle": d.shuffle,
                                   "batch_size": cfg.batch_size, "num_examples": len(examples), "digest": data_digest}}
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = _save_final(model, tokenizer, cfg, run_dir)
+        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
+                                                             "renderer": cfg.model.renderer or cfg.model.name, "recipe": "sft"})
     finally:
         progress.close()
         logger.close()

@@ -207,3 +207,20 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(saved["rng"])
     return Checkpoint(path=path, step=int(saved["step"]), state=saved["state"], meta=meta)
+
+
+def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
+    """Write ``run_dir/final`` atomically: the adapter (LoRA) or the whole model, the tokenizer, and
+    ``tracegym.json`` (``info``: base model, recipe...), which ``tracegym.models.load`` reads to put
+    an adapter back on its base model. Returns the folder."""
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+    save_weights(model, tmp)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "tracegym.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+    _fsync_tree(tmp)
+    if final.exists():
+        _remove_dir(final)
+    os.replace(tmp, final)
+    return final

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from tracegym.types import read_json_rows
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -37,19 +39,7 @@ def process_rss_mb() -> float:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All lines of a run's metrics.jsonl (a torn last line is skipped)."""
     path = Path(run_dir) / METRICS_FILE
-    rows = []
-    if not path.is_file():
-        return rows
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    return read_json_rows(path)[0] if path.is_file() else []
 
 
 def _as_number(value: Any) -> float | int | None:
