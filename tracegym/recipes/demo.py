@@ -69,7 +69,7 @@ class DemoConfig(_Section):
     sft_lr: float = Field(3e-4, gt=0)
     """SFT learning rate (LoRA)."""
 
-    rl_steps: int = Field(12, gt=0)
+    rl_steps: int = Field(8, gt=0)
     """RL optimizer steps."""
 
     rl_tasks_per_step: int = Field(4, gt=0)
