@@ -122,7 +122,7 @@ def test_unknown_name_lists_known_names_and_accepts_paths(tmp_path):
     assert isinstance(info.value, ValueError)
     with pytest.raises(models.UnknownModelError, match="offline"):
         models.resolve_model_name("SomeOrg/some-model")
-    with pytest.raises(models.UnknownModelError, match="no config.json"):
+    with pytest.raises(models.UnknownModelError, match="neither a Hugging Face model folder"):
         models.resolve_model_name(tmp_path)
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(models.UnknownModelError, match="neither a model folder nor a .gguf"):
