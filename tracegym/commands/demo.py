@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 NAME = "demo"
 HELP = "The main job: evaluate base SmolLM2, SFT it on expert traces, RL it, evaluate each; report in runs/demo."
@@ -22,18 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
-
-    from tracegym.config import ConfigError, load_config
+    from tracegym.commands._config import load_for_command
     from tracegym.recipes.demo import DemoConfig, run_demo
 
-    try:
-        cfg = load_config(DemoConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
+    cfg = load_for_command(DemoConfig, args)
+    if isinstance(cfg, int):
+        return cfg
     run_demo(cfg)
     return 0

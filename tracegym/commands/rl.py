@@ -52,19 +52,13 @@ def check_policy_loss(options: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    from tracegym.commands._config import load_for_command
+    from tracegym.config import RLConfig
 
-    from tracegym.config import ConfigError, RLConfig, load_config
-
-    try:
-        cfg = load_config(RLConfig, args.config, args.overrides)
-        check_policy_loss(cfg.policy_loss)  # fail on a bad loss option before any model loads
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
+    # a bad policy_loss option fails here, before any model loads
+    cfg = load_for_command(RLConfig, args, check=lambda c: check_policy_loss(c.policy_loss))
+    if isinstance(cfg, int):
+        return cfg
 
     from tracegym.recipes.rl import train_rl
 

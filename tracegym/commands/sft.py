@@ -26,18 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    from tracegym.commands._config import load_for_command
+    from tracegym.config import SFTConfig
 
-    from tracegym.config import ConfigError, SFTConfig, load_config
-
-    try:
-        cfg = load_config(SFTConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
+    cfg = load_for_command(SFTConfig, args)
+    if isinstance(cfg, int):
+        return cfg
 
     from tracegym.recipes.sft import train_sft
 
