@@ -49,7 +49,7 @@ def evaluate_to_dir(
     order = {task.id: i for i, task in enumerate(tasks)}
     episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))
     summary = summarize(episodes, ks=list(ks), turns=list(turns), env=env,
-                        model=policy_name or episodes[0].policy if episodes else policy_name,
+                        model=policy_name or (episodes[0].policy if episodes else None),
                         split=split, n_bootstrap=bootstrap)
     summary.update({
         "env_options": dict(env_options or {}),
