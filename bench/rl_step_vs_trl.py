@@ -145,7 +145,7 @@ def run_trl(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(REPO))  # the env's own answer reading (pure Python: pydantic is in the venv)
-    from tracegym.envs.calculator import parse_number
+    from tracegym.environments.calculator import parse_number
     from tracegym.envs.tools import extract_answer
 
     folder = job["model_folder"]

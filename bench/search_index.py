@@ -26,8 +26,8 @@ import time
 
 def measure(size: int, seed: int, queries: int) -> dict[str, float]:
     """Runs in the child process (TRACEGYM_CACHE already points at the cache folder)."""
-    from tracegym.envs import search
-    from tracegym.envs.corpus import generate_corpus
+    from tracegym.environments import search
+    from tracegym.environments.corpus import generate_corpus
 
     t0 = time.perf_counter()
     corpus = generate_corpus(size, seed)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tracegym.envs import make
-from tracegym.envs.calculator import CalculatorEnv, evaluate_expression, format_number, generate_problem, parse_number
+from tracegym.environments.calculator import CalculatorEnv, evaluate_expression, format_number, generate_problem, parse_number
 from tracegym.envs.check import check_env
 from tracegym.envs.episode import run_episodes
 from tracegym.types import Message, ToolCall

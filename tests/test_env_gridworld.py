@@ -11,7 +11,7 @@ import pytest
 from tracegym.envs import Task, make
 from tracegym.envs.check import check_env
 from tracegym.envs.episode import run_episodes
-from tracegym.envs.gridworld import (
+from tracegym.environments.gridworld import (
     FrozenLakeEnv,
     SokobanEnv,
     _lake_successors,

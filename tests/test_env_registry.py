@@ -10,7 +10,7 @@ import pytest
 
 from tracegym.envs import BUILTIN_ENVS, Env, EnvLoadError, UnknownEnvError, list_envs, make, register, unregister
 from tracegym.envs import registry
-from tracegym.envs.calculator import CalculatorEnv
+from tracegym.environments.calculator import CalculatorEnv
 
 
 def test_builtins_are_listed_without_importing_them() -> None:
@@ -18,7 +18,7 @@ def test_builtins_are_listed_without_importing_them() -> None:
     for name in ("calculator", "frozenlake", "sokoban", "search", "service"):
         assert name in names
     assert names == sorted(names)
-    assert BUILTIN_ENVS["search"] == "tracegym.envs.search:SearchEnv"
+    assert BUILTIN_ENVS["search"] == "tracegym.environments.search:SearchEnv"
 
 
 def test_make_returns_a_fresh_instance_each_call() -> None:

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from tracegym.envs import make
-from tracegym.envs.corpus import (
+from tracegym.environments.corpus import (
     RELATIONS,
     compose_question,
     generate_corpus,
@@ -33,7 +33,7 @@ def search_cache(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tg_cache")
     old = os.environ.get("TRACEGYM_CACHE")
     os.environ["TRACEGYM_CACHE"] = str(folder)
-    from tracegym.envs import search
+    from tracegym.environments import search
 
     search._backends.clear()
     yield folder
@@ -46,7 +46,7 @@ def search_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def backend(search_cache):
-    from tracegym.envs.search import get_backend
+    from tracegym.environments.search import get_backend
 
     return get_backend(SIZE, 0)
 
@@ -170,7 +170,7 @@ def test_bm25_matches_hand_written_reference(backend):
 
 
 def test_search_is_deterministic_and_cached_index_agrees(backend, search_cache):
-    from tracegym.envs.search import SearchBackend, index_dir
+    from tracegym.environments.search import SearchBackend, index_dir
 
     folder = index_dir(0, SIZE)
     assert (folder / "meta.json").exists()
@@ -187,7 +187,7 @@ def test_search_is_deterministic_and_cached_index_agrees(backend, search_cache):
 
 
 def test_stale_cache_is_rebuilt(search_cache):
-    from tracegym.envs.search import SearchBackend, index_dir
+    from tracegym.environments.search import SearchBackend, index_dir
 
     SearchBackend.build(300, 9)
     meta = index_dir(9, 300) / "meta.json"
@@ -222,7 +222,7 @@ def test_tasks_deterministic_and_splits_disjoint(search_cache):
 
 
 def test_hops_option():
-    from tracegym.envs.search import parse_hops
+    from tracegym.environments.search import parse_hops
 
     assert parse_hops(3) == (3, 3) and parse_hops("1-4") == (1, 4) and parse_hops([2, 3]) == (2, 3)
     for bad in (0, "4-1", (1, 9), "x", True):

@@ -13,7 +13,7 @@ import pytest
 
 from tracegym.envs import make
 from tracegym.envs.episode import run_episodes
-from tracegym.envs.service import KINDS, SimulatedUser, generate_scenario, goal_database
+from tracegym.environments.service import KINDS, SimulatedUser, generate_scenario, goal_database
 from tracegym.types import Message, ToolCall
 
 

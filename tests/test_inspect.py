@@ -9,7 +9,7 @@ import re
 import pytest
 
 from tracegym.cli import main
-from tracegym.inspect import inspect_plain, inspect_rich, load_records, token_pieces
+from tracegym.trajectory_view import inspect_plain, inspect_rich, load_records, token_pieces
 from tracegym.render import get_renderer
 from tracegym.types import Message, ToolCall, Trajectory, Turn, write_jsonl
 

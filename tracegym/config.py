@@ -171,6 +171,10 @@ class SFTDataConfig(_Section):
 class SFTConfig(_Section):
     """Supervised fine-tuning on recorded trajectories (``tracegym sft``)."""
 
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules imported before this config is validated (a module name, or a ``.py`` path
+    relative to the config file): they register envs and algorithms (``--plugin`` adds more)."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to fine-tune."""
 
@@ -315,6 +319,10 @@ class RLEvalConfig(_Section):
 
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
+
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules imported before this config is validated (a module name, or a ``.py`` path
+    relative to the config file): they register envs, losses and estimators (``--plugin`` adds more)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model; set ``model.adapter`` to start from an SFT adapter (cold start)."""

@@ -57,6 +57,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tracegym.cache import cache_dir  # noqa: F401  (re-exported: tracegym.models.cache_dir)
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -102,11 +104,6 @@ class CacheBuildError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------
 # Names and paths
-
-
-def cache_dir() -> Path:
-    """Root of tracegym's caches (``$TRACEGYM_CACHE`` or ``~/.cache/tracegym``)."""
-    return Path(os.environ.get("TRACEGYM_CACHE") or Path.home() / ".cache" / "tracegym").expanduser()
 
 
 def model_cache_path(name: str = DEFAULT_MODEL) -> Path:

@@ -126,6 +126,10 @@ class Turn(_Frozen):
     env_messages: tuple[Message, ...] = ()  # what the env answered (tool results, user turns)
     reward: float = 0.0
     metrics: dict[str, float] = Field(default_factory=dict)
+    state_key: str | None = None
+    """Key of the environment state this turn acted in (``Env.state_key()`` before the action, or a
+    hash of the observations so far): turns of one task with equal keys faced the same state, which
+    step-level estimators (GiGPO) group on. None when unknown (old files, message-only episodes)."""
 
 
 EndReason = Literal[
@@ -161,6 +165,52 @@ class Trajectory(_Frozen):
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
+
+
+class TrajectoryGroup(_Frozen):
+    """The samples of one task under one policy: what group-relative estimators compare.
+
+    ``trajectories`` are the kept episodes of ``task_id`` (failed ones excluded or zero-rewarded, as
+    the rollout config says). Per-turn rewards are ``Turn.reward`` (the env's reward of that step; an
+    outcome reward lands on the last turn), per-turn state keys ``Turn.state_key``. The episode reward
+    ``Trajectory.reward`` is the sum of its turns' rewards.
+    """
+
+    env: str
+    task_id: str
+    trajectories: tuple[Trajectory, ...]
+
+    @property
+    def rewards(self) -> list[float]:
+        """Episode reward of each trajectory."""
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def turn_rewards(self) -> list[list[float]]:
+        """``[trajectory][turn]`` rewards."""
+        return [[turn.reward for turn in t.turns] for t in self.trajectories]
+
+    @property
+    def state_keys(self) -> list[list[str | None]]:
+        """``[trajectory][turn]`` env-state keys (None where unknown)."""
+        return [[turn.state_key for turn in t.turns] for t in self.trajectories]
+
+    @property
+    def num_turns(self) -> list[int]:
+        """Assistant turns of each trajectory."""
+        return [len(t.turns) for t in self.trajectories]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+
+def group_trajectories(trajectories: Iterable[Trajectory]) -> list[TrajectoryGroup]:
+    """Trajectories -> one group per (env, task id), in order of first appearance; within a group in
+    the order given (the rollout runner returns them sorted by task, then sample index)."""
+    groups: dict[tuple[str, str], list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault((t.env, t.task_id), []).append(t)
+    return [TrajectoryGroup(env=env, task_id=task, trajectories=tuple(ts)) for (env, task), ts in groups.items()]
 
 
 class TrainingExample(_Frozen):

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracegym.inspect import inspect_plain, inspect_rich, load_records, tokenizer_name_from
+    from tracegym.trajectory_view import inspect_plain, inspect_rich, load_records, tokenizer_name_from
     from tracegym.models import load_tokenizer
     from tracegym.render import get_renderer
 

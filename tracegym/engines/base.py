@@ -2,14 +2,53 @@
 
 Engines know nothing of environments or recipes. ``generate`` is synchronous and batched: the
 rollout runner gathers every episode that waits for the model into one call.
+
+The RL recipe speaks to an engine through the ``Sampler`` protocol: ``generate``,
+``update_weights(model or adapter)`` after each optimizer step, and ``capabilities`` (does it return
+the log-probs of what it sampled? the exact token ids?). An engine that cannot return sampled
+log-probs is refused by ``tracegym rl`` with a clear error.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
 from tracegym.types import Generation, SamplingParams
+
+WeightSync = Literal["shared_model", "state_dict", "adapter", "none"]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a sampler can do, so recipes can refuse what would silently train wrong.
+
+    - ``returns_logprobs``: per-token log-probs of the sampling distribution come back (RL-ready).
+    - ``exact_token_ids``: the token ids sampled come back as ids (token in, token out); False for
+      text-level engines whose completions are re-encoded by the renderer.
+    - ``weight_sync``: how ``update_weights`` reaches the sampler: ``shared_model`` (the trainer's
+      model object itself: free and exact), ``state_dict`` / ``adapter`` (weights or a LoRA adapter
+      are copied in), ``none`` (a remote server the recipe cannot update).
+    """
+
+    returns_logprobs: bool = True
+    exact_token_ids: bool = True
+    weight_sync: WeightSync = "none"
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What the RL recipe needs of an engine."""
+
+    name: str
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]: ...
+
+    def update_weights(self, model_or_state: Any) -> None: ...
 
 
 class Engine(ABC):
@@ -18,6 +57,11 @@ class Engine(ABC):
     name: str = "base"
     # True when the engine returns per-token log-probs of the sampling distribution (RL-ready).
     returns_logprobs: bool = True
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine can do (engines override with their own)."""
+        return EngineCapabilities(returns_logprobs=self.returns_logprobs)
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:

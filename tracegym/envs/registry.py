@@ -40,11 +40,11 @@ Factory = Union[Callable[..., Env], str]
 
 # Built-ins by "module:attribute"; nothing is imported until an env is made.
 BUILTIN_ENVS: dict[str, str] = {
-    "calculator": "tracegym.envs.calculator:CalculatorEnv",
-    "frozenlake": "tracegym.envs.gridworld:FrozenLakeEnv",
-    "sokoban": "tracegym.envs.gridworld:SokobanEnv",
-    "search": "tracegym.envs.search:SearchEnv",
-    "service": "tracegym.envs.service:ServiceEnv",
+    "calculator": "tracegym.environments.calculator:CalculatorEnv",
+    "frozenlake": "tracegym.environments.gridworld:FrozenLakeEnv",
+    "sokoban": "tracegym.environments.gridworld:SokobanEnv",
+    "search": "tracegym.environments.search:SearchEnv",
+    "service": "tracegym.environments.service:ServiceEnv",
 }
 
 _registered: dict[str, Factory] = {}

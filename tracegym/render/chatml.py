@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tracegym.render.base import BuildStats, Renderer
-from tracegym.render.examples import build_examples
+from tracegym.render.trajectory_examples import build_examples
 from tracegym.render.toolcalls import parse_assistant_text, serialize_assistant, tools_json_lines
 from tracegym.types import Message, ParsedCompletion, Trajectory, TrainingExample
 

@@ -1,7 +1,7 @@
 """``search``: offline multi-hop question answering over a generated encyclopedia.
 
 The agent has the three browser primitives of OpenResearcher, over a BM25 index of a seeded corpus of
-fictional entities (:mod:`tracegym.envs.corpus`):
+fictional entities (:mod:`tracegym.environments.corpus`):
 
 - ``search(query)``: the top 5 pages (doc id, title, the line that best matches the query);
 - ``open(doc_id)``: the page text (cut at ``page_chars`` characters, with a note when cut);
@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from tracegym.cache import cache_dir
 from tracegym.envs.base import Task
-from tracegym.envs.corpus import (
+from tracegym.environments.corpus import (
     CORPUS_VERSION,
     Corpus,
     Entity,
@@ -76,8 +77,6 @@ class SearchHit:
 
 def index_dir(corpus_seed: int, corpus_size: int) -> Path:
     """Where the index of one corpus lives on disk."""
-    from tracegym.models import cache_dir
-
     return cache_dir() / "search" / f"v{CORPUS_VERSION}-seed{corpus_seed}-n{corpus_size}"
 
 

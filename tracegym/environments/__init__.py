@@ -1,0 +1,5 @@
+"""The built-in environments, one file each (plus the corpus generator of ``search``).
+
+They are registered by name in ``tracegym.envs.registry.BUILTIN_ENVS`` and imported only when made.
+The env framework they build on (``Env``, ``ToolEnv``, the registry, ``check_env``) is ``tracegym.envs``.
+"""
