@@ -39,7 +39,7 @@ def main() -> int:
         print("no CUDA GPU: this is a GPU check")
         return 2
     from tracegym.engines.hf import sampling_logprobs
-    from tracegym.engines.vllm import VLLMEngine
+    from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.models import build_smollm2_cache, load
     from tracegym.render import get_renderer
@@ -56,8 +56,8 @@ def main() -> int:
         messages = asyncio.run(env.reset(task))
         prompts.append(renderer.render_prompt(messages, env.tool_schemas()))
 
-    engine = VLLMEngine(str(folder), stop_token_ids=renderer.stop_token_ids, dtype=args.dtype,
-                        gpu_memory_utilization=0.3, max_model_len=2048)
+    engine = make_engine("vllm", model=str(folder), renderer=renderer, dtype=args.dtype,
+                         gpu_memory_utilization=0.3, max_model_len=2048)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=args.max_tokens, n=args.n, seed=0)
     engine.generate(prompts[:2], params)  # warm-up (CUDA graphs, allocator)
     t = time.perf_counter()

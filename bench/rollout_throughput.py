@@ -48,7 +48,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tracegym.engines.hf import HFEngine
+    from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.models import load
     from tracegym.render import get_renderer
@@ -61,7 +61,7 @@ def main() -> int:
     rss_after_load = peak_rss_mb()
 
     # -- the runner ------------------------------------------------------------------------------------
-    engine = HFEngine(model, tokenizer, stop_token_ids=stop_ids, max_batch_size=args.tasks)
+    engine = make_engine("hf", model=model, tokenizer=tokenizer, renderer=renderer, max_batch_size=args.tasks)
     gen_time = 0.0
     prefill_time = 0.0
     prompt_lengths: list[int] = []

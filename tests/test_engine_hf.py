@@ -207,9 +207,9 @@ def test_make_engine():
     engine = make_engine("hf", model="tiny-random")
     assert isinstance(engine, HFEngine) and engine.tokenizer is not None
     with pytest.raises(ValueError, match="unknown engine"):
-        make_engine("tgi")
+        make_engine("tgi", model="tiny-random")
     with pytest.raises(ValueError, match="model="):
-        make_engine("hf")
+        make_engine("hf", model=None)
 
 
 def test_vllm_missing_gives_the_install_hint():

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from tracegym.algos.aggregation import LossNormalizers
-from tracegym.types import TrainingExample
+from tracegym.types import TrainingExample, TrajectoryGroup
 
 
 @dataclass
@@ -268,4 +268,64 @@ def merge_microbatch_rows(batch: Batch, micro_batches: Sequence[Batch], values: 
     return out
 
 
-__all__ = ["Batch", "make_batch", "split_microbatches", "merge_microbatch_rows"]
+@dataclass
+class GroupExamples:
+    """Training examples of a list of groups, with where each came from.
+
+    ``group_index[e]`` / ``trajectory_index[e]``: the group and the trajectory (within its group) of
+    example ``e`` (a trajectory gives several examples when its template rewrote history).
+    """
+
+    examples: list[TrainingExample]
+    group_index: list[int]
+    trajectory_index: list[int]
+    dropped_too_long: int = 0
+    skipped_no_signal_groups: int = 0
+    template_splits: int = 0
+
+
+def examples_from_groups(
+    groups: Sequence[TrajectoryGroup],
+    renderer: object,
+    advantages: Sequence[Sequence[Sequence[float]]] | None = None,
+    *,
+    max_length: int | None = None,
+    skip_groups: Sequence[bool] | None = None,
+) -> GroupExamples:
+    """Every trajectory of every group -> token-exact ``TrainingExample``s.
+
+    ``advantages[g][i][k]`` (from ``compute_advantages``) lands on exactly the tokens sampled in turn
+    ``k`` of trajectory ``i`` of group ``g``; every other token (system, user, tool, generation
+    prompt, padding) has loss mask 0 and advantage 0. ``None``: advantages 0 (e.g. to score the
+    examples before advantages exist). ``skip_groups[g]`` leaves group ``g`` out (no learning signal);
+    examples longer than ``max_length`` tokens are left out and counted.
+    """
+    from tracegym.render.base import BuildStats
+
+    stats = BuildStats()
+    out = GroupExamples(examples=[], group_index=[], trajectory_index=[])
+    for g, group in enumerate(groups):
+        if skip_groups is not None and skip_groups[g]:
+            out.skipped_no_signal_groups += 1
+            continue
+        for i, traj in enumerate(group.trajectories):
+            turn_values = list(advantages[g][i]) if advantages is not None else 0.0
+            for example in renderer.build_examples(traj, advantage=turn_values, stats=stats):  # type: ignore[attr-defined]
+                if max_length is not None and len(example) > max_length:
+                    out.dropped_too_long += 1
+                    continue
+                out.examples.append(example)
+                out.group_index.append(g)
+                out.trajectory_index.append(i)
+    out.template_splits = stats.splits
+    return out
+
+
+__all__ = [
+    "Batch",
+    "GroupExamples",
+    "examples_from_groups",
+    "make_batch",
+    "split_microbatches",
+    "merge_microbatch_rows",
+]

@@ -1,4 +1,9 @@
-"""The ``tracegym`` command line. Subcommands live in ``tracegym/commands/``, one module each."""
+"""The ``tracegym`` command line. Subcommands live in ``tracegym/commands/``, one module each.
+
+Commands that take an env or a recipe have a repeatable ``--plugin MODULE``: before such a command
+runs, the installed ``tracegym.algos`` entry points and the ``--plugin`` modules are imported
+(``tracegym.plugins``), so the names they register are known to the command's checks.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    if hasattr(args, "plugin"):
+        from tracegym.commands._config import load_cli_plugins
+        from tracegym.plugins import PluginError
+
+        try:
+            load_cli_plugins(args)
+        except PluginError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return int(args._run(args) or 0)
 
 

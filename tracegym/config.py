@@ -356,8 +356,20 @@ class RLConfig(_Section):
     recipe starts: ``loss`` (ppo_clip, gspo, policy_gradient), clip ranges, ``aggregation``,
     ``kl_coef`` (KL to the reference policy; 0 skips the reference model), ``tis_cap``, ... ."""
 
+    preset: Literal["grpo", "dr_grpo", "dapo", "gspo"] | None = None
+    """Named method whose settings differ from the defaults; keys you set yourself win over it.
+    ``grpo``: GRPO advantages, PPO-clip, seq-mean-token-mean aggregation (the paper's form).
+    ``dr_grpo``: Dr. GRPO advantages (no std) and a constant normaliser (``fixed_length_sum`` with
+    the episode token budget). ``dapo``: clip-higher 0.2/0.28, token-mean aggregation, dynamic sampling
+    (groups without signal dropped and replaced, ``resample_rounds: 2``). ``gspo``: the sequence-level
+    ratio loss with clip ranges 3e-4/4e-4 and sequence-mean aggregation."""
+
     skip_uniform_groups: bool = True
-    """Drop groups whose rewards are all equal (zero advantage: no learning signal, only cost)."""
+    """Drop groups whose advantages are all zero (equal rewards: no learning signal, only cost)."""
+
+    resample_rounds: int = Field(0, ge=0)
+    """Dynamic sampling (DAPO): while fewer than ``tasks_per_step`` groups carry signal, sample groups
+    of further tasks, at most this many extra rounds per step. 0: off."""
 
     ppo_epochs: int = Field(1, gt=0)
     """Optimizer passes K over each batch of rollouts (K > 1 makes the update off-policy; clipping applies)."""
@@ -389,11 +401,57 @@ class RLConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics sinks and the progress bar."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("preset"):
+            return data
+        preset = preset_settings(str(data["preset"]), data)
+        return _merge_under(preset, data) if preset is not None else data
+
     @model_validator(mode="after")
     def _check(self) -> "RLConfig":
         if self.model.adapter and not self.lora.enabled:
             raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
         return self
+
+
+def preset_settings(name: str, data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The settings a named preset puts under the user's own (None for an unknown name, which the
+    ``preset`` field then reports with the allowed names)."""
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    budget = rollout.get("max_tokens_per_episode") or (
+        int(rollout.get("max_tokens_per_turn", 256)) * int(rollout.get("max_turns", 4))
+    )
+    presets: dict[str, dict[str, Any]] = {
+        "grpo": {"advantage": {"estimator": "grpo"}, "policy_loss": {"loss": "ppo_clip", "aggregation": "sequence_mean"}},
+        "dr_grpo": {
+            "advantage": {"estimator": "dr_grpo"},
+            "policy_loss": {"loss": "ppo_clip", "aggregation": "fixed_length_sum", "fixed_length": budget},
+        },
+        "dapo": {
+            "advantage": {"estimator": "grpo"},
+            "policy_loss": {"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "aggregation": "token_mean"},
+            "skip_uniform_groups": True,
+            "resample_rounds": 2,
+        },
+        "gspo": {
+            "advantage": {"estimator": "grpo"},
+            "policy_loss": {"loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "aggregation": "sequence_mean"},
+        },
+    }
+    return presets.get(name)
+
+
+def _merge_under(defaults: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with ``defaults`` filled in where it has no key (nested dicts merged key by key)."""
+    out = dict(defaults)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge_under(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 # --- loading, errors, overrides ---------------------------------------------------------------

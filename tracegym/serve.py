@@ -35,7 +35,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error"):
 
 
 def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int | None = None, default_max_tokens: int = 256):
-    """A FastAPI app serving ``engine`` (a token engine, e.g. ``HFEngine``) with ``renderer``."""
+    """A FastAPI app serving ``engine`` (a token engine, e.g. ``make_engine("hf", ...)``) with ``renderer``."""
     app = FastAPI(title="tracegym", version="0.1")
     lock = threading.Lock()
     created = int(time.time())
@@ -184,13 +184,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, renderer: st
     """Load ``model`` and serve it until interrupted (blocking)."""
     import uvicorn
 
-    from tracegym.engines.hf import HFEngine
+    from tracegym.engines import make_engine
     from tracegym.models import load
     from tracegym.render import get_renderer
 
     lm, tokenizer = load(model, dtype=dtype)
     rend = get_renderer(renderer or model, tokenizer)
-    engine = HFEngine(lm, tokenizer, stop_token_ids=rend.stop_token_ids, max_batch_size=max_batch_size)
+    engine = make_engine("hf", model=lm, tokenizer=tokenizer, renderer=rend, max_batch_size=max_batch_size)
     max_context = getattr(lm.config, "max_position_embeddings", None)
     app = create_app(engine, rend, model, max_context=max_context)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -2,9 +2,11 @@
 
 No environment, engine or file I/O here (see DESIGN.md). Conventions:
 
-- Advantage estimators: ``ADVANTAGE_ESTIMATORS.get(name)(rewards [N], group_ids [N], **options)
-  -> advantages [N]``; registered: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``. Turn-level
-  credit: ``turn_level_advantages`` ([N, K] per-turn rewards -> [N, K]).
+- Advantage estimators: ``compute_advantages(name, groups, options) -> [group][trajectory][turn]``:
+  one advantage per assistant turn of every trajectory of every ``TrajectoryGroup``; registered:
+  ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce`` (the episode's value on every turn) and
+  ``turn_rloo`` (per-turn rewards-to-go, leave-one-out baseline per turn index). The tensor math
+  behind them (``grpo_advantages(rewards [N], group_ids [N])`` ...) is exported too.
 - Policy losses: ``POLICY_LOSSES.get(name)(logprobs, old_logprobs, advantages, mask, cfg, *,
   token_weights, entropy, normalizers) -> (loss, metrics)`` on target-aligned ``[B, T]`` tensors;
   registered: ``ppo_clip``, ``gspo``, ``policy_gradient``. The recipe calls
@@ -22,7 +24,12 @@ from typing import Any
 from torch import Tensor
 
 # importing each module registers it
-from tracegym.algos import dr_grpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo  # noqa: F401
+from tracegym.algos import dr_grpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, turn_credit  # noqa: F401
+from tracegym.algos.advantages import TurnAdvantages, compute_advantages, estimator_problems, has_signal
+from tracegym.algos.dr_grpo import dr_grpo_advantages
+from tracegym.algos.grpo import grpo_advantages
+from tracegym.algos.reinforce import reinforce_advantages
+from tracegym.algos.rloo import rloo_advantages
 from tracegym.algos.aggregation import AGGREGATIONS, LossNormalizers, aggregate, masked_mean
 from tracegym.algos.compose import compute_policy_loss
 from tracegym.algos.config import PolicyLossConfig
@@ -34,18 +41,6 @@ from tracegym.algos.tis import truncated_importance_weights
 from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advantages
 
 
-def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, **options: Any) -> Tensor:
-    """Run the advantage estimator registered as ``name`` (unknown names and options raise with the
-    valid choices)."""
-    estimator = ADVANTAGE_ESTIMATORS.get(name)
-    try:
-        return estimator(rewards, group_ids, **options)
-    except TypeError as error:
-        if "unexpected keyword" in str(error):
-            raise ValueError(f"advantage estimator {name!r}: {error}") from None
-        raise
-
-
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
@@ -55,7 +50,14 @@ __all__ = [
     "PolicyLossConfig",
     "Registry",
     "aggregate",
+    "TurnAdvantages",
     "compute_advantages",
+    "dr_grpo_advantages",
+    "estimator_problems",
+    "grpo_advantages",
+    "has_signal",
+    "reinforce_advantages",
+    "rloo_advantages",
     "compute_policy_loss",
     "discounted_turn_returns",
     "entropy_clip_scale",

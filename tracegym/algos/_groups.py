@@ -1,9 +1,17 @@
-"""Vectorised per-group statistics over a flat vector of samples (shared by the estimators)."""
+"""Vectorised per-group statistics over a flat vector of samples, and the glue between
+``TrajectoryGroup``s and those vectors (shared by the estimators)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
+
+from tracegym.types import TrajectoryGroup
+
+TurnAdvantages = list[list[float]]
+"""The advantages of one group: ``[trajectory][turn]``, one value per assistant turn."""
 
 
 def check_rewards_and_groups(rewards: Tensor, group_ids: Tensor) -> None:
@@ -40,16 +48,79 @@ def group_count(inverse: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
     return group_sum(ones, inverse, num_groups)
 
 
+def group_uniform(values: Tensor, group_ids: Tensor) -> Tensor:
+    """[N] bool: the sample's group has all values exactly equal (max == min).
+
+    Such a group carries no learning signal. Its mean computed in floating point need not equal the
+    values (ten rewards of 0.1 average to 0.09999999...), so ``r - mean`` is a tiny non-zero number
+    that std normalisation would blow up; estimators zero these groups explicitly.
+    """
+    inverse, g = group_index(group_ids)
+    high = torch.full((g,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amax")
+    low = torch.full((g,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amin")
+    return (high == low)[inverse]
+
+
 def group_mean_std(values: Tensor, group_ids: Tensor, unbiased: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample group mean, group std and group size, each [N].
 
     The std of a group of one is 0 (no spread; the Bessel-corrected formula would divide by zero).
+    A group whose values are all equal gets exactly its value as mean and std 0 (see
+    ``group_uniform``), so ``value - mean`` is exactly 0 there.
     """
     inverse, g = group_index(group_ids)
     count = group_count(inverse, g, values.dtype)  # [G]
     mean = group_sum(values, inverse, g) / count  # [G]
-    centered = values - mean[inverse]  # [N]
+    uniform = group_uniform(values, group_ids)  # [N]
+    centered = torch.where(uniform, torch.zeros_like(values), values - mean[inverse])  # [N]
     denom = (count - 1.0) if unbiased else count
     var = group_sum(centered * centered, inverse, g) / denom.clamp(min=1.0)
     var = torch.where(count > 1, var, torch.zeros_like(var))
-    return mean[inverse], var.sqrt()[inverse], count[inverse]
+    per_sample_mean = torch.where(uniform, values, mean[inverse])
+    return per_sample_mean, var.sqrt()[inverse], count[inverse]
+
+
+# --- groups <-> flat vectors -------------------------------------------------------------------
+
+
+def episode_rewards(groups: Sequence[TrajectoryGroup]) -> tuple[Tensor, Tensor]:
+    """Flatten groups: (episode rewards [N] float64, group ids [N] long), trajectories in order."""
+    rewards = [r for g in groups for r in g.rewards]
+    ids = [i for i, g in enumerate(groups) for _ in g.trajectories]
+    return torch.tensor(rewards, dtype=torch.float64), torch.tensor(ids, dtype=torch.long)
+
+
+def broadcast_to_turns(groups: Sequence[TrajectoryGroup], episode_advantages: Tensor) -> list[TurnAdvantages]:
+    """One advantage per episode [N] -> the same value on every turn of that episode, per group."""
+    values = episode_advantages.tolist()
+    out: list[TurnAdvantages] = []
+    position = 0
+    for g in groups:
+        out.append([[float(values[position + j])] * len(t.turns) for j, t in enumerate(g.trajectories)])
+        position += len(g.trajectories)
+    return out
+
+
+def turn_reward_matrix(groups: Sequence[TrajectoryGroup]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-turn rewards padded to the longest episode: (rewards [N, K] float64, mask [N, K], group ids [N])."""
+    episodes = [t for g in groups for t in g.trajectories]
+    k = max((len(t.turns) for t in episodes), default=0)
+    rewards = torch.zeros((len(episodes), max(k, 1)), dtype=torch.float64)
+    mask = torch.zeros_like(rewards)
+    for i, t in enumerate(episodes):
+        for j, turn in enumerate(t.turns):
+            rewards[i, j] = turn.reward
+            mask[i, j] = 1.0
+    ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    return rewards, mask, ids
+
+
+def unflatten_turns(groups: Sequence[TrajectoryGroup], per_turn: Tensor) -> list[TurnAdvantages]:
+    """[N, K] per-turn values (padded) -> ``[group][trajectory][turn]`` lists, padding dropped."""
+    rows = per_turn.tolist()
+    out: list[TurnAdvantages] = []
+    position = 0
+    for g in groups:
+        out.append([[float(x) for x in rows[position + j][: len(t.turns)]] for j, t in enumerate(g.trajectories)])
+        position += len(g.trajectories)
+    return out

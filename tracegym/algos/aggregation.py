@@ -1,19 +1,27 @@
 """Reduce a per-token loss ``[B, T]`` to a scalar, with micro-batch-safe normalisation.
 
-Modes (``mask`` is the target-aligned loss mask, ``n_b = sum_t mask[b, t]``):
+Modes (``m`` the target-aligned loss mask, ``w`` optional token weights, e.g. TIS, ``n_b`` the
+trained tokens of row ``b``, ``S`` the rows with at least one trained token):
 
-- ``token_mean``: ``sum_{b,t} mask*l / sum_{b,t} mask``: every trained token weighs the same
+- ``token_mean``: ``sum_{b,t} m w l / sum_{b,t} m``: every trained token weighs the same
   (DAPO's token-level loss; long sequences weigh more).
-- ``sequence_mean``: ``(1/S) sum_b (sum_t mask*l / n_b)``: mean over each sequence's tokens, then
-  over the ``S`` sequences that have at least one trained token (the original GRPO/PPO-RLHF form).
-- ``fixed_length_sum``: ``(1/S) sum_b (sum_t mask*l) / L_fixed``: token sums divided by one
-  constant (the generation budget), then averaged over sequences (Dr. GRPO). No length bias.
+- ``sequence_mean`` (seq-mean-token-mean): ``(1/S) sum_b (sum_t m w l) / n_b``: mean over each
+  sequence's tokens, then over sequences (the original GRPO/PPO-RLHF form; GSPO).
+- ``sequence_sum`` (seq-mean-token-sum): ``(1/S) sum_b sum_t m w l``: token sums averaged over
+  sequences (no per-sequence length normalisation; scale grows with the length).
+- ``fixed_length_sum``: ``(1/S) sum_b (sum_t m w l) / L_fixed``: token sums divided by one
+  configured constant (the generation budget), then averaged over sequences (Dr. GRPO). It needs
+  ``fixed_length``: dividing by a batch's padded length instead would make the scale of the loss
+  depend on the longest sequence that happened to be sampled.
+
+Weights multiply the numerator only; the denominators count masked tokens and sequences.
 
 Gradient accumulation: when a batch is split into micro-batches, the denominators (token count,
 sequence count) must be those of the *full* batch, otherwise a micro-batch with few tokens gets
 too much weight. ``LossNormalizers`` carries the full-batch values; the micro-batch loss is then
-exactly its share of the full-batch loss, and summing the micro-batch gradients gives the
-full-batch gradient. Without normalizers, the tensors given are taken as the whole batch.
+exactly its share of the full-batch loss (every mode is a sum over rows of row-local terms divided
+by full-batch constants), and summing the micro-batch gradients gives the full-batch gradient.
+Without normalizers, the tensors given are taken as the whole batch.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from typing import Literal
 
 from torch import Tensor
 
-Aggregation = Literal["token_mean", "sequence_mean", "fixed_length_sum"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "fixed_length_sum")
+Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "fixed_length_sum"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum", "fixed_length_sum")
 
 
 @dataclass(frozen=True)
@@ -34,8 +42,8 @@ class LossNormalizers:
     - ``num_tokens``: trained tokens (``sum(loss_mask)``) in the full batch.
     - ``num_sequences``: rows with at least one trained token in the full batch.
     - ``weight_sum``: ``sum(loss_mask * weights)`` in the full batch (weighted SFT mean).
-    - ``max_target_length``: padded target length ``T`` of the full batch; the fallback constant of
-      ``fixed_length_sum`` when no fixed length is configured.
+    - ``max_target_length``: padded target length ``T`` of the full batch (informational; no
+      aggregation divides by it).
     """
 
     num_tokens: float
@@ -67,25 +75,34 @@ def aggregate(
 ) -> Tensor:
     """Scalar from ``per_token`` [B, T] under ``mask`` [B, T] (see the module docstring).
 
-    ``token_weights`` [B, T] multiply the numerator only (e.g. truncated importance weights);
-    the denominators count masked tokens and sequences. An empty mask gives a zero loss that
+    ``token_weights`` [B, T] multiply the numerator only (e.g. truncated importance weights).
+    ``fixed_length`` is required by ``fixed_length_sum``. An empty mask gives a zero loss that
     still depends on ``per_token`` (so ``backward`` works and yields zero gradients).
     """
     if per_token.shape != mask.shape:
         raise ValueError(f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} differ in shape")
+    if token_weights is not None and token_weights.shape != mask.shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} and mask {tuple(mask.shape)} differ in shape")
     mask = mask.to(per_token.dtype)
     weighted = per_token * mask if token_weights is None else per_token * mask * token_weights.to(per_token.dtype)
     norm = normalizers if normalizers is not None else LossNormalizers.from_mask(mask)
+    sequences = max(norm.num_sequences, 1.0)
     if mode == "token_mean":
         return weighted.sum() / max(norm.num_tokens, 1.0)
     if mode == "sequence_mean":
         lengths = mask.sum(dim=-1).clamp(min=1.0)  # [B]; rows without tokens contribute 0
-        return (weighted.sum(dim=-1) / lengths).sum() / max(norm.num_sequences, 1.0)
+        return (weighted.sum(dim=-1) / lengths).sum() / sequences
+    if mode == "sequence_sum":
+        return weighted.sum() / sequences
     if mode == "fixed_length_sum":
-        length = fixed_length if fixed_length is not None else norm.max_target_length
-        if length <= 0:
-            raise ValueError(f"fixed_length must be positive, got {length}")
-        return weighted.sum() / (float(length) * max(norm.num_sequences, 1.0))
+        if fixed_length is None:
+            raise ValueError(
+                "aggregation 'fixed_length_sum' needs fixed_length (e.g. the generation token budget); "
+                "the batch's padded length would make the loss scale depend on the longest sample"
+            )
+        if fixed_length <= 0:
+            raise ValueError(f"fixed_length must be positive, got {fixed_length}")
+        return weighted.sum() / (float(fixed_length) * sequences)
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
 
 

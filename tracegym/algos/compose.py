@@ -1,35 +1,68 @@
 """``compute_policy_loss``: the one entry point the RL recipe calls per micro-batch.
 
-It composes, as ``PolicyLossConfig`` selects::
+A registered policy loss only computes its per-token loss ``l`` [B, T] (``LossInputs`` in,
+unmasked, unweighted, not aggregated). This composition does the shared work once, for every loss::
 
-    loss = policy_loss(logprobs, old, A, mask; ratio type, clip / clip-higher / dual clip,
-                       entropy-aware clip, TIS weights, aggregation)
-         + kl_coef * aggregate(kl_estimator(logprobs, ref_logprobs))      [kl_penalty == "loss"]
-         - entropy_coef * aggregate(entropy)
+    old  = batch.old_logprobs, else batch.engine_logprobs
+    w    = min(exp(old - engine), tis_cap)                     [tis_cap set; else 1]
+    loss = aggregate(m * w * l)
+         + kl_coef * aggregate(m * kl_estimator(logprobs, ref_logprobs))     [kl_penalty == "loss"]
+         - entropy_coef * aggregate(m * entropy)                             [entropy_coef > 0]
 
-Every term uses the same aggregation and the batch's full-batch normalizers, so summing the
-micro-batch losses gives the full-batch loss. ``old`` is the trainer's recomputed
-``batch.old_logprobs`` when present, else the engine's ``batch.engine_logprobs``.
+Every term uses ``cfg.aggregation`` with the batch's full-batch ``LossNormalizers``, so the
+micro-batch losses (and gradients) add up to the full-batch ones. TIS weights multiply the policy
+term only. This module knows the batch only through ``PolicyLossBatch`` (the fields it reads), so
+``tracegym.batch`` can import ``tracegym.algos`` without a cycle.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import Tensor
 
-from tracegym.algos.aggregation import aggregate, masked_mean
+from tracegym.algos.aggregation import LossNormalizers, aggregate, masked_mean
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.kl import kl_per_token
+from tracegym.algos.loss_inputs import LossInputs
 from tracegym.algos.registry import POLICY_LOSSES
 from tracegym.algos.tis import truncated_importance_weights
 
-if TYPE_CHECKING:
-    from tracegym.batch import Batch
+
+class PolicyLossBatch(Protocol):
+    """The fields of a (micro-)batch ``compute_policy_loss`` reads (``tracegym.batch.Batch`` has them);
+    all tensors [B, T] target-aligned unless said otherwise."""
+
+    loss_mask: Tensor
+    """1 on trained tokens."""
+    advantages: Tensor
+    """Per-token advantages."""
+    engine_logprobs: Tensor
+    """The sampling engine's log-probs (0 where unknown)."""
+    has_engine_logprobs: Tensor
+    """[B] bool: rows whose engine log-probs are known."""
+    normalizers: LossNormalizers
+    """Denominators of the full batch."""
+    old_logprobs: Tensor | None
+    """The trainer's log-probs before the update, or None."""
+    ref_logprobs: Tensor | None
+    """The reference policy's log-probs (for the KL term), or None."""
+
+
+def _old_logprobs(batch_part: PolicyLossBatch, mask: Tensor) -> Tensor:
+    if batch_part.old_logprobs is not None:
+        return batch_part.old_logprobs
+    trained_rows = mask.sum(dim=-1) > 0
+    if not bool(batch_part.has_engine_logprobs[trained_rows].all()):
+        raise ValueError(
+            "batch.old_logprobs is None and some rows have no engine log-probs (e.g. scripted expert "
+            "turns): recompute old_logprobs with the trainer before the update"
+        )
+    return batch_part.engine_logprobs
 
 
 def compute_policy_loss(
-    batch_part: "Batch",
+    batch_part: PolicyLossBatch,
     logprobs: Tensor,
     entropy: Tensor | None,
     cfg: PolicyLossConfig,
@@ -38,27 +71,30 @@ def compute_policy_loss(
 
     ``logprobs`` [B, T]: the current policy's log-probs of the target tokens (with gradient), from
     ``token_logprobs``; ``entropy`` [B, T] from the same logits, needed when ``entropy_coef > 0``
-    or ``entropy_clip`` (else may be None). Metrics are plain floats over this part's tokens.
+    or the loss uses it (e.g. ``ppo_clip`` with ``entropy_clip``), else may be None.
+
+    Metrics, plain floats over this part's trained tokens: every metric the loss returns (names
+    unchanged), ``policy_loss`` (the aggregated, weighted policy term), ``loss`` (the total),
+    ``num_tokens``; with ``tis_cap`` the TIS metrics; with the KL term ``kl_ref`` and ``kl_loss``;
+    with entropy given ``entropy`` (and ``entropy_loss`` when ``entropy_coef > 0``).
     """
     mask = batch_part.loss_mask
     if logprobs.shape != mask.shape:
         raise ValueError(f"logprobs has shape {tuple(logprobs.shape)} but the batch's loss mask is {tuple(mask.shape)}")
     if entropy is not None and entropy.shape != mask.shape:
         raise ValueError(f"entropy has shape {tuple(entropy.shape)} but the batch's loss mask is {tuple(mask.shape)}")
-    if (cfg.entropy_coef > 0 or cfg.entropy_clip) and entropy is None:
-        raise ValueError("entropy_coef > 0 or entropy_clip needs the token entropy; pass it from token_logprobs_and_entropy")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs the token entropy; pass it from token_logprobs_and_entropy")
+    normalizers = batch_part.normalizers
 
-    if batch_part.old_logprobs is not None:
-        old = batch_part.old_logprobs
-    else:
-        trained_rows = mask.sum(dim=-1) > 0
-        if not bool(batch_part.has_engine_logprobs[trained_rows].all()):
-            raise ValueError(
-                "batch.old_logprobs is None and some rows have no engine log-probs (e.g. scripted expert "
-                "turns): recompute old_logprobs with the trainer before the update"
-            )
-        old = batch_part.engine_logprobs
-    metrics: dict[str, float] = {"num_tokens": float(mask.sum())}
+    def reduce(per_token: Tensor, token_weights: Tensor | None = None) -> Tensor:
+        return aggregate(
+            per_token, mask, cfg.aggregation, normalizers=normalizers, fixed_length=cfg.fixed_length,
+            token_weights=token_weights,
+        )
+
+    old = _old_logprobs(batch_part, mask)
+    metrics: dict[str, float] = {}
 
     token_weights = None
     if cfg.tis_cap is not None:
@@ -70,25 +106,28 @@ def compute_policy_loss(
         token_weights, tis_metrics = truncated_importance_weights(
             batch_part.old_logprobs, batch_part.engine_logprobs, mask, cfg.tis_cap, batch_part.has_engine_logprobs
         )
-        metrics.update(tis_metrics)
 
-    policy_loss_fn = POLICY_LOSSES.get(cfg.loss)
-    loss, policy_metrics = policy_loss_fn(
-        logprobs,
-        old,
-        batch_part.advantages,
-        mask,
-        cfg,
-        token_weights=token_weights,
-        entropy=entropy,
-        normalizers=batch_part.normalizers,
+    inputs = LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old.detach(),
+        advantages=batch_part.advantages.detach(),
+        mask=mask,
+        entropy=None if entropy is None else entropy.detach(),
+        log_ratio_limit=cfg.log_ratio_limit,
     )
-    metrics.update(policy_metrics)
-
-    def reduce(per_token: Tensor) -> Tensor:
-        return aggregate(
-            per_token, mask, cfg.aggregation, normalizers=batch_part.normalizers, fixed_length=cfg.fixed_length
+    per_token, loss_metrics = POLICY_LOSSES.entry(cfg.loss)(inputs, cfg.loss_options)
+    if not isinstance(per_token, Tensor) or per_token.shape != mask.shape:
+        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
+        raise ValueError(
+            f"policy loss {cfg.loss!r} must return a per-token loss of shape {tuple(mask.shape)} "
+            f"(unmasked, not aggregated), got {got}"
         )
+    metrics.update({k: float(v) for k, v in loss_metrics.items()})
+
+    loss = reduce(per_token, token_weights)
+    metrics["policy_loss"] = float(loss.detach())
+    if token_weights is not None:
+        metrics.update(tis_metrics)
 
     if cfg.kl_coef > 0 and cfg.kl_penalty == "loss":
         if batch_part.ref_logprobs is None:
@@ -106,5 +145,9 @@ def compute_policy_loss(
             loss = loss - cfg.entropy_coef * entropy_term
             metrics["entropy_loss"] = float(-entropy_term.detach())
 
+    metrics["num_tokens"] = float(mask.sum())
     metrics["loss"] = float(loss.detach())
     return loss, metrics
+
+
+__all__ = ["PolicyLossBatch", "compute_policy_loss"]

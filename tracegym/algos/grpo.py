@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracegym.algos._groups import check_rewards_and_groups, group_mean_std
+from typing import Sequence
+
+from tracegym.algos._groups import TurnAdvantages, broadcast_to_turns, check_rewards_and_groups, episode_rewards, group_mean_std
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+from tracegym.types import TrajectoryGroup
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(
     rewards: Tensor,
     group_ids: Tensor,
@@ -30,7 +32,8 @@ def grpo_advantages(
       registered as ``dr_grpo``).
     - ``unbiased_std``: Bessel-corrected std (divide by ``n-1``), as ``torch.std`` in most GRPO code.
     - A group of one sample gets advantage 0 (its own mean is its reward); a group whose rewards
-      are all equal gets 0 too (std 0, numerator 0).
+      are all equal gets exactly 0 too (std 0, numerator 0), even when the rewards are not exactly
+      representable (ten rewards of 0.1).
     """
     check_rewards_and_groups(rewards, group_ids)
     if eps < 0:
@@ -41,3 +44,12 @@ def grpo_advantages(
         return centered
     # std == 0 means every reward of the group is equal: centered is 0 there, and stays 0 even with eps = 0
     return torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(
+    groups: Sequence[TrajectoryGroup], *, normalize_std: bool = True, eps: float = 1e-6, unbiased_std: bool = True
+) -> list[TurnAdvantages]:
+    """GRPO on episode rewards; every turn of an episode gets the episode's advantage."""
+    rewards, ids = episode_rewards(groups)
+    return broadcast_to_turns(groups, grpo_advantages(rewards, ids, normalize_std=normalize_std, eps=eps, unbiased_std=unbiased_std))

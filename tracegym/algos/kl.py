@@ -8,8 +8,20 @@ Source: John Schulman, "Approximating KL divergence" (blog, 2020). With tokens `
   order), low variance, non-negative.
 - ``k3 = (r - 1) - log r``: unbiased (since ``E_pi[r] = 1``), low variance, non-negative.
 
-Used in the loss (``PolicyLossConfig.kl_penalty = "loss"``) the estimator's gradient flows through
-``logprobs``; used in the reward (``"reward"``) it is a detached penalty on the return.
+Used in the reward (``PolicyLossConfig.kl_penalty = "reward"``) only the *value* matters: a detached
+penalty on the return, and k1 (the log-likelihood ratio) is the usual choice.
+
+Used in the loss (``kl_penalty = "loss"``) what matters is the *gradient*: the tokens are fixed
+samples of ``pi`` and the gradient flows through ``logp = log pi(x)`` only (no score-function
+term for the sampling). Per sample, ``grad k1 = grad logp``, ``grad k2 = (logp - logq) grad logp``,
+``grad k3 = (1 - q/p) grad logp`` (``p = pi(x)``, ``q = pi_ref(x)``); in expectation over ``x ~ pi``:
+
+- k1: ``sum_x grad p(x) = 0``: no gradient at all (so ``k1`` with ``kl_penalty: loss`` is rejected);
+- k2: ``sum_x (log p - log q) grad p = grad KL(pi || pi_ref)``;
+- k3: ``sum_x (p - q) grad log p = -sum_x q grad log p = grad KL(pi_ref || pi)``, the reverse
+  direction (as GRPO in DeepSeekMath uses it), although its *value* estimates ``KL(pi || pi_ref)``.
+
+``tests/test_algos_kl_tis.py`` checks these three identities exactly on a categorical distribution.
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ KL_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3
 
 
 def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """The chosen estimator of ``KL(pi || pi_ref)`` at every token, same shape as the inputs."""
+    """The chosen estimator of ``KL(pi || pi_ref)`` at every token, same shape as the inputs (for its
+    gradient as a loss term see the module docstring)."""
     try:
         fn = KL_ESTIMATORS[estimator]
     except KeyError:

@@ -58,7 +58,7 @@ def options_from_signature(fn: Callable, name: str) -> type[BaseModel]:
         fields[p.name] = (hints.get(p.name, Any), default)
     if not fields:
         return NoOptions
-    model = create_model(f"{name}_options", __config__=ConfigDict(extra="forbid", frozen=True), **fields)
+    model = create_model(f"{name}_options", __config__=ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True), **fields)
     return model
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracegym.algos._groups import check_rewards_and_groups
+from typing import Sequence
+
+from tracegym.algos._groups import TurnAdvantages, broadcast_to_turns, check_rewards_and_groups, episode_rewards
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+from tracegym.types import TrajectoryGroup
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce")
 def reinforce_advantages(
     rewards: Tensor, group_ids: Tensor, *, baseline: bool = True, normalize_std: bool = False, eps: float = 1e-6
 ) -> Tensor:
@@ -24,8 +26,19 @@ def reinforce_advantages(
     signature and only checked for shape. ``rewards`` [N]; returns [N].
     """
     check_rewards_and_groups(rewards, group_ids)
+    if baseline and rewards.numel() and bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)  # all equal: exactly no signal (the float mean may differ from them)
     advantages = rewards - rewards.mean() if baseline else rewards.clone()
     if normalize_std:
         std = rewards.std(correction=0)
         advantages = advantages / (std + eps) if std > 0 else torch.zeros_like(advantages)
     return advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce(
+    groups: Sequence[TrajectoryGroup], *, baseline: bool = True, normalize_std: bool = False, eps: float = 1e-6
+) -> list[TurnAdvantages]:
+    """REINFORCE (batch-mean baseline, optional whitening) on episode rewards, same value per turn."""
+    rewards, ids = episode_rewards(groups)
+    return broadcast_to_turns(groups, reinforce_advantages(rewards, ids, baseline=baseline, normalize_std=normalize_std, eps=eps))

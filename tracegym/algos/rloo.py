@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracegym.algos._groups import check_rewards_and_groups, group_mean_std
+from typing import Sequence
+
+from tracegym.algos._groups import TurnAdvantages, broadcast_to_turns, check_rewards_and_groups, episode_rewards, group_mean_std
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+from tracegym.types import TrajectoryGroup
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """``A_i = r_i - (sum_{j in g, j != i} r_j) / (n_g - 1)``, equivalently
     ``n_g / (n_g - 1) * (r_i - mean_g(r))``.
@@ -28,3 +30,10 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     scale = count / (count - 1.0).clamp(min=1.0)  # n / (n - 1); groups of one are zeroed below
     advantages = scale * (rewards - mean)
     return torch.where(count > 1, advantages, torch.zeros_like(advantages))
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(groups: Sequence[TrajectoryGroup]) -> list[TurnAdvantages]:
+    """RLOO on episode rewards; every turn of an episode gets the episode's advantage."""
+    rewards, ids = episode_rewards(groups)
+    return broadcast_to_turns(groups, rloo_advantages(rewards, ids))

@@ -1,25 +1,37 @@
 """Turn-level credit assignment for multi-turn episodes: discounted returns per turn, baselined
-within the group at the same turn index.
+within the group at the same turn index (registered as the estimator ``turn_rloo``).
 
 An episode ``i`` has ``K_i`` assistant turns with rewards ``r_{i,0..K_i-1}`` (``Turn.reward``; the
 final reward usually lands on the last turn). The return of turn ``k`` is the discounted sum of
 the rewards from that turn on, ``G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}`` (Sutton and Barto,
 "Reinforcement Learning: An Introduction", ch. 3; reward-to-go as in REINFORCE). Tokens of turn
 ``k`` then get advantage ``G_{i,k} - b_{g,k}`` where ``b_{g,k}`` is the mean of ``G_{j,k}`` over
-the episodes ``j`` of the same group that reached turn ``k`` (a GRPO-style group baseline taken
-per turn index). With ``gamma = 1`` and a single terminal reward, every turn of an episode gets
-the same value and, when all episodes of a group have the same number of turns, the result equals
-the ``dr_grpo`` advantage (``grpo`` with ``normalize_std=True``).
+the episodes ``j`` of the same group that reached turn ``k`` (a group baseline taken per turn
+index).
+
+Unbiased by default (``leave_one_out=True``): the baseline of episode ``i`` is the mean over the
+*other* episodes ``j != i`` that reached turn ``k``. Those episodes are sampled independently of
+episode ``i``, so the baseline does not depend on ``i``'s actions and ``E[grad log pi * b] = 0``: the
+policy-gradient estimate stays unbiased (the RLOO argument of Kool et al. 2019, per turn index).
+With the sample itself in the mean (``leave_one_out=False``, the GRPO-style form) the estimate is
+biased by a factor ``(n-1)/n`` on each turn cell and ``normalize_std`` biases it further (it
+rescales each cell by a statistic of the samples). With ``gamma = 1``, one terminal reward and
+equal episode lengths, ``leave_one_out=False`` equals ``dr_grpo`` on every turn and
+``leave_one_out=True`` equals ``rloo``.
 
 The per-turn values feed ``Renderer.build_examples(trajectory, advantage=[A_0, ..., A_{K-1}])``.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
-from tracegym.algos._groups import group_index, group_mean_std
+from tracegym.algos._groups import TurnAdvantages, group_index, group_mean_std, turn_reward_matrix, unflatten_turns
+from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+from tracegym.types import TrajectoryGroup
 
 
 def discounted_turn_returns(turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -52,13 +64,15 @@ def turn_level_advantages(
     gamma: float = 1.0,
     normalize_std: bool = False,
     eps: float = 1e-6,
+    leave_one_out: bool = False,
 ) -> Tensor:
     """Per-turn advantages ``A[i, k] = (G[i, k] - mean_{j in g, turn k exists} G[j, k]) / (std + eps)``.
 
-    The std division only happens with ``normalize_std=True`` (Bessel-corrected std over the same
-    set). A turn index that only one episode of the group reached gets advantage 0 (it has no
-    comparison). ``turn_rewards``/``turn_mask`` [N, K], ``group_ids`` [N]; returns [N, K], 0 on
-    padding.
+    ``leave_one_out=True`` takes the mean over ``j != i`` only (``n/(n-1)`` times the centred value,
+    unbiased; see the module docstring). The std division only happens with
+    ``normalize_std=True`` (Bessel-corrected std over the same set). A turn index that only one
+    episode of the group reached gets advantage 0 (it has no comparison). ``turn_rewards`` /
+    ``turn_mask`` [N, K], ``group_ids`` [N]; returns [N, K], 0 on padding.
     """
     returns = discounted_turn_returns(turn_rewards, turn_mask, gamma)
     n, k = returns.shape
@@ -71,9 +85,30 @@ def turn_level_advantages(
     flat = returns.reshape(-1)
     advantages = torch.zeros_like(flat)
     if present.any():
-        mean, std, _ = group_mean_std(flat[present], cell_ids[present], unbiased=True)
+        mean, std, count = group_mean_std(flat[present], cell_ids[present], unbiased=True)
         centered = flat[present] - mean
+        if leave_one_out:  # r - mean_{j != i} r_j = n/(n-1) (r - mean); cells of one episode stay 0
+            centered = torch.where(count > 1, centered * count / (count - 1.0).clamp(min=1.0), torch.zeros_like(centered))
         if normalize_std:
             centered = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
         advantages[present] = centered
     return advantages.reshape(n, k)
+
+
+@ADVANTAGE_ESTIMATORS.register("turn_rloo")
+def turn_rloo(
+    groups: Sequence[TrajectoryGroup],
+    *,
+    gamma: float = 1.0,
+    leave_one_out: bool = True,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+) -> list[TurnAdvantages]:
+    """Per-turn advantages from per-turn rewards (``Turn.reward``): each turn's discounted
+    reward-to-go minus the leave-one-out mean of the other episodes' returns from the same turn
+    index. Unbiased with the defaults; see the module docstring."""
+    rewards, mask, ids = turn_reward_matrix(groups)
+    advantages = turn_level_advantages(
+        rewards, mask, ids, gamma=gamma, normalize_std=normalize_std, eps=eps, leave_one_out=leave_one_out
+    )
+    return unflatten_turns(groups, advantages)

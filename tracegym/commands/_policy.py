@@ -76,12 +76,28 @@ def positive_int(text: str) -> int:
 
 
 def add_env_arguments(parser: argparse.ArgumentParser, *, default_split: str) -> None:
-    parser.add_argument("--env", required=True, help="environment name (see `tracegym envs`)")
+    """``--env``, ``--env-option``, ``--split``, ``--task-seed`` and ``--plugin`` (modules that register
+    envs, imported by ``tracegym.cli`` before the command runs)."""
+    from tracegym.commands._config import add_plugin_argument
+
+    parser.add_argument("--env", required=True, help="environment name (see `tracegym envs`; --plugin adds more)")
     parser.add_argument("--env-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                         help="env constructor option, value parsed as YAML (repeatable), e.g. num_calls=3")
     parser.add_argument("--split", default=default_split, choices=["train", "test"],
                         help=f"task split (default {default_split})")
     parser.add_argument("--task-seed", type=int, default=0, help="seed of the task generator (default 0)")
+    add_plugin_argument(parser)
+
+
+def check_env_args(args: argparse.Namespace) -> None:
+    """UsageError (one line: the nearest env name, or the allowed options) when ``--env`` names no
+    env or ``--env-option`` gives an option it does not take; nothing is built or loaded."""
+    from tracegym.envs.registry import check_env_options
+
+    try:
+        check_env_options(args.env, dict(args.env_option))
+    except (ValueError, TypeError, ImportError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,26 +301,24 @@ def build_policy(args: argparse.Namespace) -> PolicySetup:
     gap_model = None
     if expert:
         policy = "expert"
-    elif args.engine == "hf":
-        from tracegym.engines.hf import HFEngine
-
-        policy = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, max_batch_size=args.concurrency)
-        gap_model = model
-    elif args.engine == "openai":
-        from tracegym.engines.openai import OpenAIEngine
-
-        policy = OpenAIEngine(model_name, base_url=args.base_url, api_key_env=args.api_key_env)
     else:
-        from tracegym.engines.vllm import VLLMEngine
+        from tracegym.engines import make_engine
 
-        policy = VLLMEngine(model_name, stop_token_ids=renderer.stop_token_ids)
-        if adapter is not None:
-            from peft import PeftModel
+        if args.engine == "hf":
+            policy = make_engine("hf", model=model, tokenizer=tokenizer, renderer=renderer,
+                                 max_batch_size=args.concurrency)
+            gap_model = model
+        elif args.engine == "openai":
+            policy = make_engine("openai", model=model_name, base_url=args.base_url, api_key_env=args.api_key_env)
+        else:
+            policy = make_engine("vllm", model=model_name, renderer=renderer)
+            if adapter is not None:
+                from peft import PeftModel
 
-            base, _ = load(model_name)
-            # the engine merges the adapter deltas into the weights it sends to vLLM
-            policy.update_weights(PeftModel.from_pretrained(base, adapter))
-            del base
+                base, _ = load(model_name)
+                # the engine merges the adapter deltas into the weights it sends to vLLM
+                policy.update_weights(PeftModel.from_pretrained(base, adapter))
+                del base
 
     return PolicySetup(
         policy=policy,

@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from tracegym.commands._policy import UsageError, build_policy, make_tasks, print_error, rollout_config
+    from tracegym.commands._policy import (
+        UsageError, build_policy, check_env_args, make_tasks, print_error, rollout_config,
+    )
     from tracegym.eval.evaluate import atomic_write_text
     from tracegym.recipes.evaluate import evaluate_to_dir
 
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     max_turns = max(args.turns)
 
     try:
+        check_env_args(args)  # an unknown env or option: one line, before anything loads
         env_options, tasks = make_tasks(args)
         setup = build_policy(args)
         config = rollout_config(args, setup, max_turns=max_turns, temperature=temperature)

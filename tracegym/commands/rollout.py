@@ -37,11 +37,14 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from tracegym.commands._policy import UsageError, build_policy, make_tasks, print_error, rollout_config, run_policy
+    from tracegym.commands._policy import (
+        UsageError, build_policy, check_env_args, make_tasks, print_error, rollout_config, run_policy,
+    )
     from tracegym.data.store import TrajectoryWriter, export_parquet
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_env_args(args)  # an unknown env or option: one line, before anything loads
         env_options, tasks = make_tasks(args)
         setup = build_policy(args)
         config = rollout_config(args, setup, max_turns=args.max_turns, temperature=args.temperature,

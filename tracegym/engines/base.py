@@ -6,7 +6,8 @@ rollout runner gathers every episode that waits for the model into one call.
 The RL recipe speaks to an engine through the ``Sampler`` protocol: ``generate``,
 ``update_weights(model or adapter)`` after each optimizer step, and ``capabilities`` (does it return
 the log-probs of what it sampled? the exact token ids?). An engine that cannot return sampled
-log-probs is refused by ``tracegym rl`` with a clear error.
+log-probs or exact token ids is refused by ``tracegym.engines.require_rl_sampler`` with a one-line
+error. Engines are built with ``tracegym.engines.make_engine``.
 """
 
 from __future__ import annotations

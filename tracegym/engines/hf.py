@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tracegym.engines.base import Engine
+from tracegym.engines.base import Engine, EngineCapabilities
 from tracegym.types import FinishReason, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,11 @@ class HFEngine(Engine):
 
     name = "hf"
     returns_logprobs = True
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Sampled log-probs and token ids come back; the engine holds the trainer's model object."""
+        return EngineCapabilities(returns_logprobs=True, exact_token_ids=True, weight_sync="shared_model")
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from tracegym.engines.base import Engine
+from tracegym.engines.base import Engine, EngineCapabilities
 from tracegym.types import Generation, Message, ParsedCompletion, SamplingParams, ToolCall
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,12 @@ class OpenAIEngine(Engine):
 
     name = "openai"
     returns_logprobs = False
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Message-level: no log-probs, completions re-encoded by the renderer, a server the recipe
+        cannot update."""
+        return EngineCapabilities(returns_logprobs=False, exact_token_ids=False, weight_sync="none")
 
     def __init__(
         self,

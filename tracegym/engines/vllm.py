@@ -24,7 +24,7 @@ import os
 import tempfile
 from typing import Any, Mapping, Sequence
 
-from tracegym.engines.base import Engine
+from tracegym.engines.base import Engine, EngineCapabilities
 from tracegym.types import FinishReason, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,14 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     returns_logprobs = True
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Sampled log-probs and token ids come back; ``update_weights`` copies weights into vLLM
+        (``state_dict``; a peft model is merged first) or, with ``enable_lora``, serves the peft
+        model's adapter (``adapter``)."""
+        sync = "adapter" if getattr(self, "enable_lora", False) else "state_dict"
+        return EngineCapabilities(returns_logprobs=True, exact_token_ids=True, weight_sync=sync)
 
     def __init__(
         self,

@@ -11,14 +11,23 @@ Three sources of names, looked up in this order:
 
        [project.entry-points."tracegym.envs"]
        mytask = "mypkg.envs:MyTaskEnv"
+
+A plain module that calls ``register`` at import time works too: the commands import it with
+``--plugin my_env.py`` or the config key ``plugins:`` (``tracegym.plugins``). Importing it twice
+(as a file and as a module) registers the same definition again, which is not an error.
+
+``check_env_options(name, options)`` validates a name and its options from the factory's signature
+(unknown or missing options, values that do not match the annotations) without building the env,
+so the commands reject a bad config before any model loads.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import inspect
-from typing import Any, Callable, Union
+from typing import Any, Callable, Mapping, Union
 
 from tracegym.envs.base import Env
 
@@ -26,7 +35,9 @@ __all__ = [
     "BUILTIN_ENVS",
     "ENTRY_POINT_GROUP",
     "EnvLoadError",
+    "EnvOptionError",
     "UnknownEnvError",
+    "check_env_options",
     "env_factory",
     "list_envs",
     "make",
@@ -58,14 +69,44 @@ class EnvLoadError(ImportError):
     """The module behind an env name failed to import (a missing optional dependency, a bug)."""
 
 
+class EnvOptionError(TypeError, ValueError):
+    """Options an env does not take (unknown, missing or of the wrong type). A ``TypeError``, as
+    for a bad keyword argument, and a ``ValueError``, as for any bad config value."""
+
+
+def _same_definition(a: Any, b: Any) -> bool:
+    """The same factory, or the same definition imported again (a module imported twice, or as a
+    file and as a package module): same qualified name and line, in the same module or file."""
+    if a is b or (isinstance(a, str) and a == b):
+        return True
+    if isinstance(a, str) or isinstance(b, str):
+        return False
+
+    def key(f: Any) -> tuple:
+        code = getattr(f, "__code__", None)
+        return (getattr(f, "__qualname__", None), getattr(code, "co_firstlineno", None), isinstance(f, type))
+
+    if key(a)[0] is None or key(a) != key(b):
+        return False
+    if getattr(a, "__module__", None) is not None and a.__module__ == getattr(b, "__module__", None):
+        return True
+    try:
+        source = inspect.getsourcefile(a)
+        return source is not None and source == inspect.getsourcefile(b)
+    except (TypeError, OSError):
+        return False
+
+
 def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
     """Register ``factory`` (an ``Env`` class, a callable returning an ``Env``, or a
-    ``"module:attribute"`` path) under ``name``. Re-registering a name raises unless ``overwrite``."""
+    ``"module:attribute"`` path) under ``name``. Registering another factory under a taken name
+    raises unless ``overwrite``; registering the same definition again (a module imported twice)
+    replaces it quietly."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"env name must be a non-empty string, got {name!r}")
     if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
         raise TypeError(f"factory for {name!r} must be callable or a 'module:attribute' string, got {factory!r}")
-    if name in _registered and not overwrite:
+    if name in _registered and not overwrite and not _same_definition(_registered[name], factory):
         raise ValueError(f"env {name!r} is already registered; pass overwrite=True to replace it")
     _registered[name] = factory
 
@@ -114,7 +155,16 @@ def env_factory(name: str) -> Callable[..., Env]:
             raise EnvLoadError(
                 f"env {name!r}: plugin entry point {entry_points[name].value!r} failed to load: {type(exc).__name__}: {exc}"
             ) from exc
-    raise UnknownEnvError(f"unknown env {name!r}; registered envs: {', '.join(list_envs())}")
+    raise UnknownEnvError(unknown_env_message(name))
+
+
+def unknown_env_message(name: str) -> str:
+    """``unknown env 'x'; did you mean 'y'? registered envs: ...`` (and how to add one)."""
+    names = list_envs()
+    near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]!r}?" if near else ";"
+    return (f"unknown env {name!r}{hint} registered envs: {', '.join(names)} "
+            "(add one with --plugin MODULE, the config key plugins:, or the entry-point group tracegym.envs)")
 
 
 def _allowed_options(factory: Callable[..., Env]) -> list[str] | None:
@@ -132,6 +182,84 @@ def _allowed_options(factory: Callable[..., Env]) -> list[str] | None:
     return names
 
 
+def _unknown_options_message(name: str, bad: list[str], allowed: list[str]) -> str:
+    message = f"env {name!r} has no option {', '.join(repr(b) for b in bad)}"
+    near = difflib.get_close_matches(bad[0], allowed, n=1, cutoff=0.6) if len(bad) == 1 else []
+    if near:
+        message += f" (did you mean {near[0]!r}?)"
+    return f"{message}; allowed options: {', '.join(allowed) or 'none'}"
+
+
+def _option_annotations(factory: Callable[..., Env]) -> dict[str, Any]:
+    """Resolved annotations of the factory's parameters ({} when they cannot be resolved)."""
+    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    try:
+        return dict(inspect.get_annotations(target, eval_str=True))
+    except Exception:  # noqa: BLE001 - unresolvable names: no type checks, names still checked
+        return {}
+
+
+def _type_problem(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` does not fit ``annotation`` (pydantic, lax mode), or None (fits, or the
+    annotation is not one pydantic can check)."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        adapter = TypeAdapter(annotation)
+    except Exception:  # noqa: BLE001 - an arbitrary class, a forward reference: not checked
+        return None
+    try:
+        adapter.validate_python(value)
+    except ValidationError as exc:
+        return " or ".join(dict.fromkeys(e["msg"] for e in exc.errors()))
+    except Exception:  # noqa: BLE001 - a validator that cannot run on this value: leave it to the env
+        return None
+    return None
+
+
+def check_env_options(name: str, options: Mapping[str, Any] | None = None) -> None:
+    """Check that env ``name`` exists and takes ``options``, without building it.
+
+    Imports the env's module (not the env) and reads its factory's signature: unknown options (with
+    the nearest one and the allowed ones), required options left out, and values that do not match
+    the parameter's annotation raise ``EnvOptionError``; an unknown name raises ``UnknownEnvError``
+    naming the nearest registered one; a module that fails to import raises ``EnvLoadError``.
+    Ranges and other checks inside the constructor are still up to ``make``.
+    """
+    options = dict(options or {})
+    bad_keys = [k for k in options if not isinstance(k, str)]
+    if bad_keys:
+        raise EnvOptionError(f"env {name!r}: option names must be strings, got {bad_keys!r}")
+    factory = env_factory(name)
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return  # no signature to read: make() will tell
+    allowed = _allowed_options(factory)
+    if allowed is not None:
+        bad = [key for key in options if key not in allowed]
+        if bad:
+            raise EnvOptionError(_unknown_options_message(name, bad, allowed))
+    missing = [
+        p.name for p in parameters
+        if p.default is inspect.Parameter.empty and p.name not in options
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    if missing:
+        raise EnvOptionError(f"env {name!r} needs option {', '.join(repr(m) for m in missing)}")
+    annotations = _option_annotations(factory)
+    problems = []
+    for key, value in options.items():
+        if key in annotations:
+            problem = _type_problem(annotations[key], value)
+            if problem:
+                problems.append(f"option {key!r}={value!r}: {problem}")
+    if problems:
+        raise EnvOptionError(f"env {name!r}: bad value for " + "; ".join(problems))
+
+
 def make(name: str, **options: Any) -> Env:
     """A fresh instance of env ``name`` built with ``options`` (each call returns a new instance,
     so concurrent episodes never share state)."""
@@ -140,10 +268,7 @@ def make(name: str, **options: Any) -> Env:
     if allowed is not None:
         bad = [key for key in options if key not in allowed]
         if bad:
-            raise TypeError(
-                f"env {name!r} has no option {', '.join(repr(b) for b in bad)}; "
-                f"allowed options: {', '.join(allowed) or 'none'}"
-            )
+            raise EnvOptionError(_unknown_options_message(name, bad, allowed))
     try:
         env = factory(**options)
     except (TypeError, ValueError) as exc:

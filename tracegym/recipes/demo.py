@@ -103,10 +103,10 @@ def _stage(title: str, started: float) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every stage; returns ``{"base": summary, "sft": summary, "rl": summary, "compare": ...}``."""
-    from tracegym.engines.hf import HFEngine
+    from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.eval.report import build_report
-    from tracegym.models import load, load_tokenizer
+    from tracegym.models import load_tokenizer
     from tracegym.recipes.evaluate import evaluate_to_dir
     from tracegym.recipes.rl import train_rl
     from tracegym.recipes.sft import train_sft
@@ -138,8 +138,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     summaries: dict[str, dict[str, Any]] = {}
 
     def evaluate(label: str, model_path: str) -> None:
-        model, tokenizer = load(model_path)
-        engine = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, max_batch_size=64)
+        engine = make_engine("hf", model=model_path, renderer=renderer, max_batch_size=64)
         summary, _, _ = evaluate_to_dir(cfg.env, test_tasks, engine, renderer, eval_config, cfg.eval_ks, cfg.eval_turns,
                                         out / label, env_options=cfg.env_options, policy_name=label,
                                         progress=cfg.progress, extra={"base_model": cfg.model, "checkpoint": model_path})

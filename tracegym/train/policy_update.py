@@ -1,0 +1,160 @@
+"""The policy-gradient update of one RL step: score, then ``epochs`` optimizer passes over a batch.
+
+    batch = score_batch(model, reference, batch, loss_cfg, micro_batch_size=4, temperature=1.0, ...)
+    metrics = policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=4, ...)
+
+``score_batch`` fills what the loss needs beyond the sampled tokens: the trainer's own log-probs of
+the old policy (the PPO ratio's denominator and TIS's numerator; skipped when the engine's sampled
+log-probs already are the old policy's) and the reference policy's (KL in the loss). The reference
+is the LoRA base with the adapter disabled (no second copy) or a frozen copy for full fine-tuning.
+
+``policy_update`` runs every micro-batch through ``compute_policy_loss`` (the registered loss, then
+masks, importance weights, aggregation, KL and entropy terms applied once) with the full batch's
+normalisers, so gradient accumulation equals one big batch; then clips gradients and steps the
+optimizer and schedule. Every metric a loss returns is logged: token-weighted means over the
+micro-batches, except keys ending in ``_min``/``_max`` (reduced with min/max) and ``loss``
+(the sum of the micro-batch shares, i.e. the full-batch loss), averaged over the passes.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from tracegym.algos.compose import compute_policy_loss
+from tracegym.batch import Batch, merge_microbatch_rows, split_microbatches
+from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
+from tracegym.train.optim import clip_gradients
+
+
+def batch_logprobs(
+    model: torch.nn.Module, batch: Batch, micro_batch_size: int, *, temperature: float = 1.0, disable_adapter: bool = False
+) -> torch.Tensor:
+    """Log-probs of the batch's target tokens under ``model``, no grad, [B, T]; with
+    ``disable_adapter`` those of the LoRA base model (the reference policy)."""
+    parts = split_microbatches(batch, micro_batch_size)
+    device = next(model.parameters()).device
+    context = model.disable_adapter() if disable_adapter else nullcontext()  # type: ignore[operator]
+    values = []
+    with torch.no_grad(), context:
+        for part in parts:
+            values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
+                                         first_column=part.first_loss_column))
+    return merge_microbatch_rows(batch, parts, values)
+
+
+def reference_logprobs(
+    model: torch.nn.Module, reference: torch.nn.Module | None, batch: Batch, micro_batch_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Reference-policy log-probs [B, T]: the frozen copy (full fine-tuning) or the LoRA base."""
+    if reference is not None:
+        return batch_logprobs(reference, batch, micro_batch_size, temperature=temperature)
+    return batch_logprobs(model, batch, micro_batch_size, temperature=temperature, disable_adapter=True)
+
+
+def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float) -> bool:
+    """Whether the trainer must re-score the old policy instead of using the engine's log-probs:
+    several passes (the ratio drifts from 1), TIS (compares the two), top-p (the engine renormalised
+    over the nucleus, the trainer's softmax does not) or rows without engine log-probs."""
+    return epochs > 1 or loss_cfg.tis_cap is not None or top_p < 1.0 or not bool(batch.has_engine_logprobs.all())
+
+
+def score_batch(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    batch: Batch,
+    loss_cfg: Any,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    epochs: int = 1,
+    top_p: float = 1.0,
+) -> Batch:
+    """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss)."""
+    old = None
+    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p):
+        old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
+    ref = None
+    if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "loss":
+        ref = reference_logprobs(model, reference, batch, micro_batch_size, temperature)
+    return batch.with_logprobs(old=old, ref=ref)
+
+
+def reduce_part_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Micro-batch metrics -> one value each: token-weighted mean (by ``num_tokens``); ``*_min`` /
+    ``*_max`` by min / max; ``loss`` summed (each part holds its share of the full-batch loss)."""
+    keys = sorted({k for part in parts for k in part if k != "num_tokens"})
+    out: dict[str, float] = {}
+    for key in keys:
+        present = [(p[key], p.get("num_tokens", 1.0)) for p in parts if key in p]
+        if key.endswith("_min"):
+            out[key] = min(v for v, _ in present)
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in present)
+        elif key == "loss":
+            out[key] = sum(v for v, _ in present)
+        else:
+            total = sum(w for _, w in present)
+            out[key] = sum(v * w for v, w in present) / total if total else sum(v for v, _ in present) / len(present)
+    return out
+
+
+def policy_update(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_cfg: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    epochs: int,
+    micro_batch_size: int,
+    temperature: float,
+    max_grad_norm: float | None,
+    train_mode: bool = False,
+) -> dict[str, float]:
+    """``epochs`` optimizer passes over ``batch``; returns ``train/<metric>`` values (see module doc).
+
+    ``train_mode``: run the forward passes in train mode (gradient checkpointing recomputes
+    activations only there); dropout stays at its configured probability (0 for the built-in models).
+    The model is left in eval mode, the mode the engine samples in.
+    """
+    device = next(model.parameters()).device
+    per_epoch: list[dict[str, float]] = []
+    grad_norms: list[float] = []
+    lrs: list[float] = []
+    model.train(train_mode)
+    try:
+        for _ in range(epochs):
+            optimizer.zero_grad(set_to_none=True)
+            parts: list[dict[str, float]] = []
+            for part in split_microbatches(batch, micro_batch_size):
+                part = part.to(device)
+                # entropy comes from the same logits: logged every step, used by entropy bonus / clip
+                logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature,
+                                                               first_column=part.first_loss_column)
+                loss, metrics = compute_policy_loss(part, logprobs, entropy, loss_cfg)
+                loss.backward()
+                parts.append(metrics)
+            per_epoch.append(reduce_part_metrics(parts))
+            grad_norms.append(clip_gradients(model.parameters(), max_grad_norm))
+            lrs.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+    finally:
+        model.eval()
+    out: dict[str, float] = {}
+    for key in per_epoch[0] if per_epoch else []:
+        values = [m[key] for m in per_epoch if key in m]
+        reduce = min if key.endswith("_min") else max if key.endswith("_max") else (lambda v: sum(v) / len(v))
+        out[f"train/{key}"] = reduce(values)
+    if "train/clip_frac_low" in out and "train/clip_frac_high" in out:
+        out["train/clip_frac"] = out["train/clip_frac_low"] + out["train/clip_frac_high"]
+    if grad_norms:
+        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["lr"] = lrs[-1]
+    return out
+
+
+__all__ = ["batch_logprobs", "needs_old_logprobs", "policy_update", "reduce_part_metrics", "reference_logprobs", "score_batch"]
