@@ -1,4 +1,5 @@
-"""Advantage estimators: hand-computed values, loop versions vs the vectorised ones, edge cases."""
+"""Advantage estimators: hand-computed values, loop versions vs the vectorised ones, edge cases; the
+group API (one advantage per turn of every trajectory) and how per-turn values reach the tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,28 @@ import math
 import pytest
 import torch
 
-from tracegym.algos import ADVANTAGE_ESTIMATORS, compute_advantages, discounted_turn_returns, turn_level_advantages
+from tracegym.algos import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    discounted_turn_returns,
+    dr_grpo_advantages,
+    grpo_advantages,
+    has_signal,
+    reinforce_advantages,
+    rloo_advantages,
+    turn_level_advantages,
+)
+from tracegym.batch import examples_from_groups, make_batch
+from tracegym.render.trajectory_examples import build_examples
+from tracegym.types import Message, Trajectory, TrajectoryGroup, Turn, group_trajectories
+
+TENSOR_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
+                     "reinforce": reinforce_advantages}
+
+
+def adv(name: str, rewards: torch.Tensor, groups: torch.Tensor, **options) -> torch.Tensor:
+    """The tensor form of an estimator (episode rewards [N], group ids [N] -> [N])."""
+    return TENSOR_ESTIMATORS[name](rewards, groups, **options)
 
 # Three groups, interleaved, of sizes 3, 2 and 1:
 #   group 7: rewards [1, 0, 0] at positions 0, 2, 4
@@ -23,40 +45,40 @@ def test_grpo_hand_computed():
     # group 3: mean 3, deviations [-1, 1], Bessel var = 2, std = 1.414214 -> [-0.707107, 0.707107]
     # group 9: one sample -> 0
     expected = torch.tensor([1.154701, -0.707107, -0.577350, 0.0, -0.577350, 0.707107], dtype=torch.float64)
-    out = compute_advantages("grpo", REWARDS, GROUPS, eps=0.0)
+    out = adv("grpo", REWARDS, GROUPS, eps=0.0)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
 def test_grpo_population_std_and_eps():
     # group 7 with population std: var = (6/9)/3 = 2/9, std = 0.471405 -> 0.666667/0.471405 = 1.414214
-    out = compute_advantages("grpo", REWARDS, GROUPS, eps=0.0, unbiased_std=False)
+    out = adv("grpo", REWARDS, GROUPS, eps=0.0, unbiased_std=False)
     assert out[0].item() == pytest.approx(1.414214, abs=1e-6)
     assert out[2].item() == pytest.approx(-0.707107, abs=1e-6)
     # eps is added to the std: group 3 with eps = 0.5 -> 1 / (1.414214 + 0.5) = 0.522407
-    out = compute_advantages("grpo", REWARDS, GROUPS, eps=0.5)
+    out = adv("grpo", REWARDS, GROUPS, eps=0.5)
     assert out[5].item() == pytest.approx(0.522407, abs=1e-6)
 
 
 def test_dr_grpo_and_grpo_without_std_hand_computed():
     # r - group mean: group 7 mean 1/3, group 3 mean 3, group 9 mean 5
     expected = torch.tensor([2 / 3, -1.0, -1 / 3, 0.0, -1 / 3, 1.0], dtype=torch.float64)
-    torch.testing.assert_close(compute_advantages("dr_grpo", REWARDS, GROUPS), expected)
-    torch.testing.assert_close(compute_advantages("grpo", REWARDS, GROUPS, normalize_std=False), expected)
+    torch.testing.assert_close(adv("dr_grpo", REWARDS, GROUPS), expected)
+    torch.testing.assert_close(adv("grpo", REWARDS, GROUPS, normalize_std=False), expected)
 
 
 def test_rloo_hand_computed():
     # group 7: 1 - mean(0,0) = 1; 0 - mean(1,0) = -0.5 (twice). group 3: 2 - 4 = -2; 4 - 2 = 2. group 9: 0
     expected = torch.tensor([1.0, -2.0, -0.5, 0.0, -0.5, 2.0], dtype=torch.float64)
-    torch.testing.assert_close(compute_advantages("rloo", REWARDS, GROUPS), expected)
+    torch.testing.assert_close(adv("rloo", REWARDS, GROUPS), expected)
 
 
 def test_reinforce_hand_computed():
     # batch mean = (1+2+0+5+0+4)/6 = 2
     expected = torch.tensor([-1.0, 0.0, -2.0, 3.0, -2.0, 2.0], dtype=torch.float64)
-    torch.testing.assert_close(compute_advantages("reinforce", REWARDS, GROUPS), expected)
-    torch.testing.assert_close(compute_advantages("reinforce", REWARDS, GROUPS, baseline=False), REWARDS)
+    torch.testing.assert_close(adv("reinforce", REWARDS, GROUPS), expected)
+    torch.testing.assert_close(adv("reinforce", REWARDS, GROUPS, baseline=False), REWARDS)
     # population std: sqrt((1+0+4+9+4+4)/6) = sqrt(22/6) = 1.914854 -> 3 / 1.914854 = 1.566699
-    out = compute_advantages("reinforce", REWARDS, GROUPS, normalize_std=True, eps=0.0)
+    out = adv("reinforce", REWARDS, GROUPS, normalize_std=True, eps=0.0)
     assert out[3].item() == pytest.approx(1.566699, abs=1e-6)
 
 
@@ -102,35 +124,38 @@ def test_vectorised_matches_loop_on_unequal_random_groups(seed: int):
     group_t = torch.tensor(groups)
     r = rewards.tolist()
     torch.testing.assert_close(
-        compute_advantages("grpo", rewards, group_t, eps=1e-6), torch.tensor(loop_grpo(r, groups, True, 1e-6), dtype=torch.float64)
+        adv("grpo", rewards, group_t, eps=1e-6), torch.tensor(loop_grpo(r, groups, True, 1e-6), dtype=torch.float64)
     )
     torch.testing.assert_close(
-        compute_advantages("dr_grpo", rewards, group_t), torch.tensor(loop_grpo(r, groups, False, 0.0), dtype=torch.float64)
+        adv("dr_grpo", rewards, group_t), torch.tensor(loop_grpo(r, groups, False, 0.0), dtype=torch.float64)
     )
-    torch.testing.assert_close(compute_advantages("rloo", rewards, group_t), torch.tensor(loop_rloo(r, groups), dtype=torch.float64))
+    torch.testing.assert_close(adv("rloo", rewards, group_t), torch.tensor(loop_rloo(r, groups), dtype=torch.float64))
 
 
 def test_group_advantages_sum_to_zero_per_group_and_uniform_groups_get_zero():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0])
     groups = torch.tensor([0, 0, 0, 1, 1])
     for name in ("grpo", "dr_grpo", "rloo"):
-        adv = compute_advantages(name, rewards, groups)
-        assert torch.all(adv[:3] == 0), name  # all-equal group: no signal
-        assert adv[3:].sum().abs() < 1e-6, name
+        out = adv(name, rewards, groups)
+        assert torch.all(out[:3] == 0), name  # all-equal group: no signal
+        assert out[3:].sum().abs() < 1e-6, name
 
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="non-finite"):
-        compute_advantages("grpo", torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
+        adv("grpo", torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="entries"):
-        compute_advantages("grpo", torch.tensor([1.0, 2.0]), torch.tensor([0]))
+        adv("grpo", torch.tensor([1.0, 2.0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="integer"):
-        compute_advantages("rloo", torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]))
+        adv("rloo", torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]))
+    groups = group_trajectories([_traj("t", 0, [1.0])])
     with pytest.raises(KeyError, match="Did you mean 'grpo'"):
-        compute_advantages("grpoo", torch.tensor([1.0]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="unexpected keyword"):
-        compute_advantages("rloo", torch.tensor([1.0]), torch.tensor([0]), normalize_std=True)
-    assert set(ADVANTAGE_ESTIMATORS.names()) == {"grpo", "dr_grpo", "rloo", "reinforce"}
+        compute_advantages("grpoo", groups)
+    with pytest.raises(ValueError, match="unknown key 'normalize_std'.*rloo"):
+        compute_advantages("rloo", groups, {"normalize_std": True})
+    with pytest.raises(ValueError, match="did you mean 'gamma'"):
+        compute_advantages("turn_rloo", groups, {"gamm": 0.9})
+    assert {"grpo", "dr_grpo", "rloo", "reinforce", "turn_rloo"} <= set(ADVANTAGE_ESTIMATORS.names())
 
 
 # --- turn-level credit ----------------------------------------------------------------------
@@ -155,9 +180,135 @@ def test_turn_level_reduces_to_dr_grpo_with_terminal_rewards():
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     rewards = torch.zeros(6, 3, dtype=torch.float64)
     rewards[:, 2] = final  # every episode has 3 turns, reward on the last
-    adv = turn_level_advantages(rewards, torch.ones(6, 3), groups, gamma=1.0)
-    expected = compute_advantages("dr_grpo", final, groups)
+    per_turn = turn_level_advantages(rewards, torch.ones(6, 3), groups, gamma=1.0)
+    expected = adv("dr_grpo", final, groups)
     for k in range(3):
-        torch.testing.assert_close(adv[:, k], expected)
+        torch.testing.assert_close(per_turn[:, k], expected)
     adv_std = turn_level_advantages(rewards, torch.ones(6, 3), groups, gamma=1.0, normalize_std=True, eps=0.0)
-    torch.testing.assert_close(adv_std[:, 0], compute_advantages("grpo", final, groups, eps=0.0))
+    torch.testing.assert_close(adv_std[:, 0], adv("grpo", final, groups, eps=0.0))
+
+
+# --- the group API ----------------------------------------------------------------------------
+
+
+def _traj(task: str, sample: int, turn_rewards: list[float]) -> Trajectory:
+    """A token-exact trajectory: prompt [1, 2, 3]; turn k samples [10+k, 20+k]; the env answers [5, 6]."""
+    turns, prompt = [], [1, 2, 3]
+    for k, reward in enumerate(turn_rewards):
+        completion = (10 + k, 20 + k)
+        turns.append(Turn(prompt_ids=tuple(prompt), completion_ids=completion, completion_logprobs=(-0.5, -0.25),
+                          message=Message(role="assistant", content=f"turn {k}"), reward=reward))
+        prompt = prompt + list(completion) + [5, 6]
+    return Trajectory(env="toy", task_id=task, sample_index=sample, messages=(Message(role="user", content="q"),),
+                      turns=tuple(turns), reward=sum(turn_rewards))
+
+
+class _Renderer:
+    build_examples = staticmethod(build_examples)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce"])
+def test_episode_estimators_put_the_tensor_value_on_every_turn(name: str):
+    gen = torch.Generator().manual_seed(3)
+    trajs = []
+    for task in range(3):
+        for sample in range(4):
+            turns = int(torch.randint(1, 4, (1,), generator=gen))
+            rewards = [0.0] * (turns - 1) + [float(torch.randint(0, 3, (1,), generator=gen))]
+            trajs.append(_traj(f"t{task}", sample, rewards))
+    groups = group_trajectories(trajs)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    out = compute_advantages(name, groups)
+    flat = adv(name, torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor([i // 4 for i in range(12)]))
+    for g, group in enumerate(groups):
+        for i, traj in enumerate(group.trajectories):
+            assert out[g][i] == pytest.approx([float(flat[g * 4 + i])] * len(traj.turns), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "turn_rloo"])
+def test_equal_but_inexact_rewards_give_exactly_zero_and_no_signal(name: str):
+    # 0.1 is not representable: the float mean of equal 0.1s differs from 0.1 in the last bits, which
+    # GRPO's std division used to blow up (-0.0074 with eps=1e-6, -0.935 with eps=0).
+    for reward in (0.1, 0.3, 1 / 3):
+        groups = group_trajectories([_traj("t", k, [0.0, reward]) for k in range(7)])
+        for options in ({}, {"eps": 0.0}) if name in ("grpo", "reinforce", "turn_rloo") else ({},):
+            out = compute_advantages(name, groups, options)
+            assert all(a == 0.0 for turns in out[0] for a in turns), (name, reward, options, out)
+            assert not has_signal(out[0])
+    assert torch.equal(grpo_advantages(torch.full((10,), 0.1), torch.zeros(10, dtype=torch.long), eps=0.0), torch.zeros(10))
+
+
+def test_turn_rloo_is_leave_one_out_per_turn_index_hand_computed():
+    # task t: three episodes, per-turn rewards; gamma = 1 -> returns-to-go
+    #   e0: [0, 1]  G = [1, 1]     e1: [0, 0]  G = [0, 0]     e2: [1]  G = [1]
+    # turn 0 cell {1, 0, 1}: LOO means e0: (0+1)/2 = .5, e1: (1+1)/2 = 1, e2: (1+0)/2 = .5
+    # turn 1 cell {1, 0} (e2 has no turn 1): e0: 1 - 0 = 1, e1: 0 - 1 = -1
+    groups = group_trajectories([_traj("t", 0, [0.0, 1.0]), _traj("t", 1, [0.0, 0.0]), _traj("t", 2, [1.0])])
+    out = compute_advantages("turn_rloo", groups)
+    assert out == [[[0.5, 1.0], [-1.0, -1.0], [0.5]]]
+    # the biased GRPO-style variant keeps the sample in its own baseline: turn 0 mean 2/3, turn 1 mean 1/2
+    biased = compute_advantages("turn_rloo", groups, {"leave_one_out": False})
+    assert biased[0][0] == pytest.approx([1 / 3, 0.5]) and biased[0][2] == pytest.approx([1 / 3])
+    # discounting: gamma = 0.5 -> e0 G = [0.5, 1], e1 [0, 0], e2 [1]; turn 0 LOO: e0 0.5 - 0.5 = 0
+    assert compute_advantages("turn_rloo", groups, {"gamma": 0.5})[0][0] == pytest.approx([0.0, 1.0])
+
+
+def test_turn_rloo_equals_rloo_with_terminal_rewards_and_equal_lengths():
+    gen = torch.Generator().manual_seed(1)
+    trajs = [_traj(f"t{i // 5}", i % 5, [0.0, 0.0, float(torch.rand(1, generator=gen))]) for i in range(10)]
+    groups = group_trajectories(trajs)
+    per_turn = compute_advantages("turn_rloo", groups)
+    episode = compute_advantages("rloo", groups)
+    for g in range(2):
+        for i in range(5):
+            assert per_turn[g][i] == pytest.approx(episode[g][i], abs=1e-12)
+
+
+def test_a_buggy_estimator_is_caught_with_its_name():
+    from tracegym.algos import ADVANTAGE_ESTIMATORS
+
+    @ADVANTAGE_ESTIMATORS.register("test_wrong_shape")
+    def wrong_shape(groups):
+        return [[[1.0]] for _ in groups]  # one turn, whatever the trajectory has
+
+    @ADVANTAGE_ESTIMATORS.register("test_nan")
+    def nan(groups):
+        return [[[float("nan")] * len(t.turns) for t in g.trajectories] for g in groups]
+
+    try:
+        groups = group_trajectories([_traj("t", 0, [0.0, 1.0]), _traj("t", 1, [1.0])])
+        with pytest.raises(ValueError, match="test_wrong_shape.*2 trajectories but 1"):
+            compute_advantages("test_wrong_shape", groups)
+        with pytest.raises(ValueError, match="test_nan.*advantage nan"):
+            compute_advantages("test_nan", groups)
+        # registering the same function again (a module imported twice) is fine; another function is not
+        ADVANTAGE_ESTIMATORS.register("test_nan")(nan)
+        with pytest.raises(ValueError, match="already registered"):
+            ADVANTAGE_ESTIMATORS.register("test_nan")(lambda groups: [])
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("test_wrong_shape")
+        ADVANTAGE_ESTIMATORS.unregister("test_nan")
+
+
+def test_per_turn_advantages_reach_the_tokens_of_their_turn():
+    # one group of two 2-turn trajectories; give the turns different advantages by hand
+    groups = [TrajectoryGroup(env="toy", task_id="t", trajectories=(_traj("t", 0, [0.0, 1.0]), _traj("t", 1, [0.0, 0.0])))]
+    advantages = [[[0.75, -0.5], [0.25, 2.0]]]
+    data = examples_from_groups(groups, _Renderer(), advantages)
+    assert len(data.examples) == 2 and data.group_index == [0, 0] and data.trajectory_index == [0, 1]
+    ex = data.examples[0]
+    # tokens: prompt 1 2 3 | turn 0: 10 20 | env 5 6 | turn 1: 11 21
+    assert ex.input_ids == (1, 2, 3, 10, 20, 5, 6, 11, 21)
+    assert ex.loss_mask == (0, 0, 0, 1, 1, 0, 0, 1, 1)
+    assert ex.advantages == (0, 0, 0, 0.75, 0.75, 0, 0, -0.5, -0.5)
+    batch = make_batch(data.examples, pad_token_id=0, group_ids=data.group_index)
+    # target-aligned: column t belongs to token t + 1
+    assert batch.advantages[1].tolist() == [0, 0, 0.25, 0.25, 0, 0, 2.0, 2.0]
+    assert batch.advantages[batch.loss_mask == 0].abs().sum() == 0  # nothing off the sampled tokens
+    # a group without signal is skipped and counted
+    skipped = examples_from_groups(groups, _Renderer(), advantages, skip_groups=[True])
+    assert skipped.examples == [] and skipped.skipped_no_signal_groups == 1
+    # the whole path: a real estimator's per-turn values, then tokens
+    per_turn = compute_advantages("turn_rloo", groups)  # e0 G = [1, 1], e1 G = [0, 0] -> LOO [1, 1], [-1, -1]
+    tokens = examples_from_groups(groups, _Renderer(), per_turn).examples[1].advantages
+    assert tokens == (0, 0, 0, -1, -1, 0, 0, -1, -1)

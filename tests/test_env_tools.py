@@ -206,7 +206,9 @@ def test_successful_call_returns_result_with_ids() -> None:
     (message,) = result.messages
     assert message == Message(role="tool", content="42", tool_call_id="id-9", name="add")
     assert not result.terminated and not result.truncated and result.reward == 0.0
-    assert result.info == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "parse_errors": 0, "turns": 1}
+    assert result.info == {
+        "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "parse_errors": 0, "tool_output_truncated": 0, "turns": 1,
+    }
 
 
 def test_dict_results_are_json() -> None:

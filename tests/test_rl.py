@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tracegym.engines.hf as hf_engines
 import tracegym.recipes.rl as rl_recipe
 from tracegym.config import RLConfig, load_config
 from tracegym.envs import register, unregister
@@ -185,67 +184,116 @@ def _snapshot(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
     return {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
 
 
+def _one_step(cfg: RLConfig) -> dict[str, Any]:
+    """The pieces of one RL step, called as ``train_rl`` calls them (no monkeypatching)."""
+    from tracegym.algos import compute_advantages, has_signal
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.batch import examples_from_groups, make_batch
+    from tracegym.envs import make
+    from tracegym.render import get_renderer
+    from tracegym.train.optim import build_optimizer, build_scheduler
+    from tracegym.train.policy_update import policy_update, score_batch
+
+    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
+    model, tokenizer, reference = rl_recipe.load_policy(cfg, loss_cfg, torch.device("cpu"))
+    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    sampler = rl_recipe.make_sampler(cfg, model, tokenizer, renderer)
+    before = _snapshot(model)
+    tasks = rl_recipe.tasks_for_step(make(cfg.env.name, **cfg.env.options).tasks("train", cfg.tasks.train), cfg.tasks_per_step, 0, 0)
+    groups, result = rl_recipe.collect_groups(sampler, cfg, tasks, renderer, seed=0)
+    advantages = compute_advantages(cfg.advantage.estimator, groups, cfg.advantage.options)
+    data = examples_from_groups(groups, renderer, advantages, skip_groups=[not has_signal(a) for a in advantages])
+    batch = score_batch(model, reference, make_batch(data.examples, pad_token_id=tokenizer.eos_token_id), loss_cfg,
+                        micro_batch_size=cfg.micro_batch_size, temperature=1.0, epochs=cfg.ppo_epochs)
+    optimizer = build_optimizer(model, cfg.optim)
+    metrics = policy_update(model, batch, loss_cfg, optimizer, build_scheduler(optimizer, cfg.optim, 10), epochs=cfg.ppo_epochs,
+                            micro_batch_size=cfg.micro_batch_size, temperature=1.0, max_grad_norm=1.0)
+    sampler.update_weights(model)
+    return {"model": model, "before": before, "metrics": metrics, "sampler": sampler, "renderer": renderer,
+            "tokenizer": tokenizer, "groups": groups, "examples": data.examples}
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_one_step_moves_every_trainable_parameter_and_no_frozen_one(tmp_path, monkeypatch, lora):
-    captured: dict[str, Any] = {}
-    prepare = rl_recipe.prepare_model
-
-    def prepare_and_snapshot(*args, **kwargs):
-        model = prepare(*args, **kwargs)
-        captured["model"], captured["before"] = model, _snapshot(model)
-        return model
-
-    monkeypatch.setattr(rl_recipe, "prepare_model", prepare_and_snapshot)
+def test_one_step_moves_every_trainable_parameter_and_no_frozen_one(tmp_path, lora):
     # LoRA's B starts at 0, so A gets no gradient on the first update: two passes (ppo_epochs=2)
     # move both factors within one RL step.
     options = ("lora.enabled=true", "ppo_epochs=2") if lora else ("lora.enabled=false",)
-    result = train_rl(_config(tmp_path / "run", *options, "steps=1", "optim.lr=1e-3"))
-    (row,) = _steps(result.run_dir)
-    assert row["examples/count"] > 0 and row["train/grad_norm"] > 0
-    after = dict(captured["model"].named_parameters())
-    trainable = [n for n, (_, grad) in captured["before"].items() if grad]
-    frozen = [n for n, (_, grad) in captured["before"].items() if not grad]
+    step = _one_step(_config(tmp_path / "run", *options, "optim.lr=1e-3"))
+    assert step["examples"] and step["metrics"]["train/grad_norm"] > 0
+    before, after = step["before"], dict(step["model"].named_parameters())
+    trainable = [n for n, (_, grad) in before.items() if grad]
+    frozen = [n for n, (_, grad) in before.items() if not grad]
     assert trainable and (frozen if lora else not frozen)
     if lora:
         assert all("lora_" in n for n in trainable) and {n.split(".")[-3] for n in trainable} == {"lora_A", "lora_B"}
-    unchanged = [n for n in trainable if torch.equal(captured["before"][n][0], after[n].detach())]
+    unchanged = [n for n in trainable if torch.equal(before[n][0], after[n].detach())]
     assert not unchanged, unchanged
-    moved = [n for n in frozen if not torch.equal(captured["before"][n][0], after[n].detach())]
+    moved = [n for n in frozen if not torch.equal(before[n][0], after[n].detach())]
     assert not moved, moved
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_engine_serves_the_updated_weights(tmp_path, monkeypatch, tokenizer, lora):
-    """The engine's log-probs for a fixed prompt change after the update, and equal a teacher-forced
-    pass of the model saved in ``final/`` (so the adapter really is what the engine samples from)."""
+def test_engine_serves_the_updated_weights(tmp_path, tokenizer, lora):
+    """The sampler's log-probs for a fixed prompt change after the update and equal a teacher-forced
+    pass of the model saved by ``save_final`` (so the adapter really is what the engine samples from)."""
     from tracegym.models import load
     from tracegym.render import get_renderer
+    from tracegym.train.checkpoint import save_final
     from tracegym.train.logprobs import token_logprobs
 
     renderer = get_renderer("tiny-random", tokenizer)
     prompt = renderer.render_prompt([Message(role="system", content="Reply."), Message(role="user", content="Hello")])
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    engines: list[tuple[Any, Any]] = []
-    real_engine = hf_engines.HFEngine
+    cfg = _config(tmp_path / "run", f"lora.enabled={str(lora).lower()}", "optim.lr=1e-2")
+    from tracegym.algos.config import PolicyLossConfig
 
-    def engine_with_baseline(*args, **kwargs):
-        engine = real_engine(*args, **kwargs)
-        engines.append((engine, engine.generate([prompt], greedy)[0][0]))  # before any update
-        return engine
+    model, tok, _ = rl_recipe.load_policy(cfg, PolicyLossConfig(), torch.device("cpu"))
+    baseline = rl_recipe.make_sampler(cfg, model, tok, renderer).generate([prompt], greedy)[0][0]
+    step = _one_step(cfg)  # same seed and config: the same initial weights, then one update
+    after = step["sampler"].generate([prompt], greedy)[0][0]
+    changed = baseline.token_ids != after.token_ids or max(
+        abs(a - b) for a, b in zip(baseline.logprobs, after.logprobs)) > 1e-3
+    assert changed, (baseline, after)
 
-    monkeypatch.setattr(hf_engines, "HFEngine", engine_with_baseline)
-    result = train_rl(_config(tmp_path / "run", f"lora.enabled={str(lora).lower()}", "optim.lr=1e-2"))
-    (engine, before), = engines
-    after = engine.generate([prompt], greedy)[0][0]
-    changed = before.token_ids != after.token_ids or max(
-        abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 1e-3
-    assert changed, (before, after)
-
-    saved, _ = load(str(result.final_dir))  # adapter folder (on tiny-random) or full model
+    final = save_final(step["model"], step["tokenizer"], tmp_path / "run", {"base_model": "tiny-random", "lora": lora})
+    saved, _ = load(str(final))  # adapter folder (on tiny-random) or full model
     ids = torch.tensor([list(prompt) + list(after.token_ids)])
     with torch.no_grad():
         reference = token_logprobs(saved, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
     assert torch.allclose(reference, torch.tensor(after.logprobs), atol=1e-4), (reference, after.logprobs)
+
+
+def test_kl_in_reward_lands_on_the_last_turn():
+    from tracegym.types import Trajectory, Turn
+
+    turns = tuple(Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant"), reward=r) for r in (0.0, 1.0))
+    traj = Trajectory(env="e", task_id="t", messages=(), turns=turns, reward=1.0)
+    shifted = rl_recipe.with_reward_offset(traj, -0.25)
+    assert [t.reward for t in shifted.turns] == [0.0, 0.75] and shifted.reward == 0.75
+    assert rl_recipe.with_reward_offset(traj, 0.0) is traj
+
+
+def test_presets_fill_settings_under_the_users_own():
+    cfg = load_config(RLConfig, data={"preset": "dr_grpo", "rollout": {"max_turns": 3, "max_tokens_per_turn": 64}})
+    assert cfg.advantage.estimator == "dr_grpo"
+    assert cfg.policy_loss == {"loss": "ppo_clip", "aggregation": "fixed_length_sum", "fixed_length": 192}
+    cfg = load_config(RLConfig, data={"preset": "dapo", "policy_loss": {"clip_eps_high": 0.3}})
+    assert cfg.policy_loss["clip_eps_low"] == 0.2 and cfg.policy_loss["clip_eps_high"] == 0.3  # the user's wins
+    assert cfg.resample_rounds == 2 and cfg.policy_loss["aggregation"] == "token_mean"
+    cfg = load_config(RLConfig, data={"preset": "gspo"})
+    assert cfg.policy_loss["loss"] == "gspo" and cfg.policy_loss["clip_eps_low"] == 3e-4
+    with pytest.raises(Exception, match="preset"):
+        load_config(RLConfig, data={"preset": "grpoo"})
+
+
+def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
+    # "q" is rare in random three-token replies: most groups are uniform (all 0) and get replaced
+    cfg = _config(tmp_path / "run", "env.options.letter=q", "resample_rounds=3", "steps=1", "eval.at_start=false",
+                  "eval.every=0", "tasks.test=1", "tasks.train=12")
+    (row,) = _steps(train_rl(cfg).run_dir)
+    assert row["groups/resample_rounds"] >= 1
+    rollouts = (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    assert len(rollouts) == cfg.group_size * cfg.tasks_per_step * (1 + int(row["groups/resample_rounds"]))
 
 
 def _final_tensors(final_dir: Path) -> dict[str, torch.Tensor]:
@@ -264,7 +312,7 @@ def _reproducible(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_resume_matches_straight_run_exactly(tmp_path, lora):
     # Multi-turn episodes, two PPO passes, KL to the reference and a cosine schedule with warmup:
     # optimizer, scheduler, task cursor and sampling seeds must all come back.
-    common = (f"lora.enabled={str(lora).lower()}", "steps=4", "ppo_epochs=2", "policy_loss.kl_coef=0.05",
+    common = (f"lora.enabled={str(lora).lower()}", "steps=4", "ppo_epochs=2", "policy_loss.kl_coef=0.05", "resample_rounds=1",
               "optim.warmup_steps=2", "optim.schedule=cosine", "optim.lr=1e-2", "eval.every=2", "tasks.train=3")
     straight = train_rl(_config(tmp_path / "a", *common))
 

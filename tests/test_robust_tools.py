@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tracegym.envs import Task, ToolEnv, tool
 from tracegym.envs.episode import run_episode
-from tracegym.types import Message, StepResult, ToolCall
+from tracegym.types import Message, StepResult, ToolCall, Trajectory
 
 # Set at the end of a test so the stuck threads of that test finish instead of idling forever.
 _release = threading.Event()
@@ -180,7 +180,8 @@ def test_the_truncation_count_reaches_the_trajectory_metrics() -> None:
     env = Hangs(max_tool_output_chars=100)
     calls = iter([_call("huge", n=5000), _call("huge", n=50), _call("huge", n=700)])
     result = asyncio.run(run_episode(env, env.tasks()[0], lambda: next(calls), max_turns=3))
-    assert [len(m.content) for m in result.messages if m.role == "tool"][1] == 50
-    trajectory = result.to_trajectory("hangs")
+    # run_episode returns the Trajectory (older versions: a result with .to_trajectory)
+    trajectory = result if isinstance(result, Trajectory) else result.to_trajectory("hangs")
+    assert [len(m.content) for m in trajectory.messages if m.role == "tool"] == [100 + 37, 50, 100 + 35]
     assert trajectory.metrics["tool_output_truncated"] == 2.0
     assert all(len(m.content) < 200 for m in trajectory.messages)

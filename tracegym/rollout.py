@@ -4,9 +4,13 @@
     result.trajectories, result.stats
 
 Many episodes run at once (``tasks x samples_per_task``, at most ``concurrency`` alive). Each episode
-is an asyncio task: reset the env, then per turn build the prompt, get a completion, step the env.
+is an asyncio task running the one episode loop, ``tracegym.envs.episode.play_episode`` (reset, then
+per turn: ask the policy, step the env, record a ``Turn``; limits, timeout, failure isolation, state
+keys, non-finite rewards rejected). The runner gives that loop one policy object per episode
+(``_RenderedPolicy``) that keeps the prompt as token ids and gets completions from the engine.
 
-Three kinds of policy go through the same episode loop:
+Three kinds of policy go through it (told apart by ``policy.capabilities``, an
+``EngineCapabilities``, or else the older ``returns_logprobs`` attribute):
 
 - a token engine (``hf``, ``vllm``: has ``generate``). Every episode waiting for the model is put into
   one ``engine.generate`` call (the *batcher*): it fires as soon as every live episode is waiting, or
@@ -22,13 +26,14 @@ Three kinds of policy go through the same episode loop:
 - ``"expert"``: the env's scripted ``expert_action()``, recorded exactly like the message-level path,
   so expert trajectories are valid SFT data.
 
-Limits and end reasons (``types.EndReason``): the env ends the task (``terminated``) or cuts it
-(``truncated``); the runner's turn limit (``max_turns``); the per-episode generated-token budget
-(``max_tokens``); the prompt no longer fits ``max_context`` (``context``); the wall-clock limit
-(``timeout``). An env that raises (``env_error``), hangs (``timeout``) or an engine failure
-(``engine_error``) never stops the run: the episode is recorded with its error, counted, logged and
-either excluded from the result (``on_env_error="exclude"``, written to ``failed_writer`` if given)
-or kept with reward 0 (``"zero_reward"``).
+Limits and end reasons (``types.EndReason``, the same for every loop): the env ends the task
+(``terminated``) or cuts it (``truncated``); the runner's turn limit (``max_turns``); the per-episode
+generated-token budget (``max_tokens``); the prompt no longer fits ``max_context`` (``context``); the
+wall-clock limit (``timeout``). An env that raises or returns a NaN/inf reward (``env_error``), hangs
+(``timeout``), or a failure of the engine, renderer or expert (``engine_error``) never stops the run:
+the episode is recorded with its error, counted, logged and either excluded from the result
+(``on_env_error="exclude"``, written to ``failed_writer`` if given) or kept with reward 0
+(``"zero_reward"``).
 
 Envs must not block the event loop: a synchronous ``time.sleep`` inside ``async def step`` cannot be
 interrupted by the timeout (``ToolEnv`` runs synchronous tools in threads for this reason).
@@ -38,9 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -48,7 +51,16 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracegym.envs.base import Env, Task
-from tracegym.types import FinishReason, Generation, Message, SamplingParams, Trajectory, Turn
+from tracegym.envs.episode import (
+    FAILED_END_REASONS,
+    Action,
+    ContextExhausted,
+    Observation,
+    PolicyError,
+    TokenData,
+    play_episode,
+)
+from tracegym.types import FinishReason, Generation, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +151,8 @@ class RolloutResult:
 # --- internals ---------------------------------------------------------------------------------
 
 
-class _EnvFailure(Exception):
-    """The environment raised; the original exception is the cause."""
-
-
-class _EngineFailure(Exception):
-    """The engine (or the renderer on the policy side) failed for this episode."""
+class _EngineFailure(PolicyError):
+    """The engine failed for the batch this episode's request was in."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -244,32 +252,112 @@ def _cut(gen: Generation, max_tokens: int) -> Generation:
     return Generation(token_ids=gen.token_ids[:max_tokens], logprobs=logprobs, finish_reason="length", text=None)
 
 
-def _numeric(info: dict[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, v in info.items():
-        if isinstance(v, bool):
-            out[k] = float(v)
-        elif isinstance(v, (int, float)) and math.isfinite(float(v)):
-            out[k] = float(v)
-    return out
+PolicyMode = Literal["token", "message", "expert"]
 
 
-@dataclass
-class _Episode:
-    index: int
-    task: Task
-    sample_index: int
-    env_name: str = ""
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    generated: int = 0
-    reward: float = 0.0
-    last_info: dict[str, Any] = field(default_factory=dict)
-    end_reason: str | None = None
-    error: str | None = None
-    started: float = 0.0
-    finished: float = 0.0
+def _policy_mode(policy: Any) -> PolicyMode:
+    """How the runner drives ``policy``: ``"expert"``, a message-level engine (``chat``) or a token
+    engine (``generate``). Abilities come from ``policy.capabilities`` (``EngineCapabilities``),
+    else from the older ``returns_logprobs`` attribute: an engine with ``chat`` that returns no
+    sampled log-probs or no exact token ids is driven through ``chat``."""
+    if isinstance(policy, str):
+        if policy != "expert":
+            raise ValueError(f"unknown policy {policy!r}: pass an engine or 'expert'")
+        return "expert"
+    caps = getattr(policy, "capabilities", None)
+    if caps is not None:
+        token_exact = bool(getattr(caps, "returns_logprobs", False)) and bool(getattr(caps, "exact_token_ids", True))
+    else:
+        token_exact = bool(getattr(policy, "returns_logprobs", False))
+    if hasattr(policy, "chat") and not token_exact:
+        return "message"
+    if hasattr(policy, "generate"):
+        return "token"
+    raise TypeError(f"policy must be an engine (generate), a chat engine (chat) or 'expert', got {policy!r}")
+
+
+class _RenderedPolicy:
+    """The runner's per-episode policy: keeps the episode's prompt as token ids and gets each
+    turn's completion from the token engine (through the batcher), the message-level engine or the
+    env's scripted expert.
+
+    Prompts are token in, token out: ``render_prompt`` on turn 0, then
+    ``continue_prompt(previous prompt, previous completion ids, the env's answer)``. A prompt with
+    no room left in ``max_context`` raises ``ContextExhausted``; the turn's token budget is the least
+    of ``max_tokens_per_turn``, the episode's budget left and the context room.
+    """
+
+    def __init__(self, runner: _Runner, env: Env):
+        self.runner = runner
+        self.env = env
+        self.prompt: list[int] | None = None
+        self.completion: list[int] = []
+
+    def _next_prompt(self, obs: Observation) -> list[int]:
+        renderer = self.runner.renderer
+        if self.prompt is None:
+            try:
+                return list(renderer.render_prompt(list(obs.messages), list(obs.tools) or None))
+            except Exception as exc:  # noqa: BLE001
+                raise PolicyError(f"renderer.render_prompt failed: {_describe(exc)}") from exc
+        try:
+            return list(renderer.continue_prompt(self.prompt, self.completion, list(obs.new_messages)))
+        except Exception as exc:  # noqa: BLE001
+            raise PolicyError(f"renderer.continue_prompt failed: {_describe(exc)}") from exc
+
+    async def __call__(self, obs: Observation) -> Action:
+        cfg = self.runner.config
+        prompt = self._next_prompt(obs)
+        budget = cfg.max_tokens_per_turn
+        if obs.token_budget is not None:
+            budget = min(budget, obs.token_budget)
+        if cfg.max_context is not None:
+            room = cfg.max_context - len(prompt)
+            if room <= 0:
+                raise ContextExhausted(f"prompt of {len(prompt)} tokens leaves no room in {cfg.max_context}")
+            budget = min(budget, room)
+        action = await self._complete(prompt, budget, obs)
+        assert action.tokens is not None
+        self.prompt, self.completion = prompt, list(action.tokens.completion_ids)
+        return action
+
+    async def _complete(self, prompt: list[int], budget: int, obs: Observation) -> Action:
+        runner = self.runner
+        if runner.mode == "token":
+            assert runner.batcher is not None
+            gen = await runner.batcher.generate(prompt, budget)
+            try:
+                parsed = runner.renderer.parse_completion(gen.token_ids)
+            except Exception as exc:  # noqa: BLE001
+                raise PolicyError(f"renderer.parse_completion failed: {_describe(exc)}") from exc
+            tokens = TokenData(prompt, tuple(gen.token_ids), gen.logprobs, gen.finish_reason)
+            return Action(message=parsed.message, parse_errors=tuple(parsed.errors), tokens=tokens)
+        errors: tuple[str, ...] = ()
+        finish: FinishReason = "stop"
+        if runner.mode == "expert":
+            try:
+                message = self.env.expert_action()
+            except Exception as exc:  # noqa: BLE001
+                raise PolicyError(f"expert_action failed: {_describe(exc)}") from exc
+        else:
+            params = runner.params.model_copy(update={"max_tokens": budget})
+            tools = list(obs.tools) or None
+            # chat_with_errors (when the engine has it) also reports malformed tool calls
+            call = getattr(runner.policy, "chat_with_errors", None)
+            try:
+                if call is not None:
+                    parsed = await asyncio.to_thread(call, list(obs.messages), tools, params)
+                    message, errors = parsed.message, tuple(parsed.errors)
+                    finish = "stop" if parsed.ended_with_eot else "length"
+                else:
+                    message = await asyncio.to_thread(runner.policy.chat, list(obs.messages), tools, params)
+            except Exception as exc:  # noqa: BLE001
+                raise PolicyError(_describe(exc)) from exc
+        try:
+            completion_ids = tuple(runner.renderer.encode_completion(message))
+        except Exception as exc:  # noqa: BLE001
+            raise PolicyError(f"renderer.encode_completion failed: {_describe(exc)}") from exc
+        return Action(message=message, parse_errors=errors, tokens=TokenData(prompt, completion_ids, None, finish))
 
 
 class _Runner:
@@ -295,183 +383,29 @@ class _Runner:
             stop_token_ids=tuple(renderer.stop_token_ids),
             seed=config.seed,
         )
-        if isinstance(policy, str):
-            if policy != "expert":
-                raise ValueError(f"unknown policy {policy!r}: pass an engine or 'expert'")
-            self.mode = "expert"
-        elif hasattr(policy, "chat") and not getattr(policy, "returns_logprobs", False):
-            self.mode = "message"
-        elif hasattr(policy, "generate"):
-            self.mode = "token"
-        else:
-            raise TypeError(f"policy must be an engine (generate), a chat engine (chat) or 'expert', got {policy!r}")
+        self.mode = _policy_mode(policy)
         self.batcher: _Batcher | None = None
 
-    # -- one turn of the policy -------------------------------------------------------------------
-    async def _policy_turn(
-        self, ep: _Episode, env: Env, prompt: list[int], budget: int
-    ) -> tuple[list[int], tuple[float, ...] | None, FinishReason, Message, tuple[str, ...]]:
-        if self.mode == "token":
-            assert self.batcher is not None
-            gen = await self.batcher.generate(prompt, budget)
-            try:
-                parsed = self.renderer.parse_completion(gen.token_ids)
-            except Exception as exc:  # noqa: BLE001
-                raise _EngineFailure(f"renderer.parse_completion failed: {_describe(exc)}") from exc
-            return list(gen.token_ids), gen.logprobs, gen.finish_reason, parsed.message, tuple(parsed.errors)
-        errors: tuple[str, ...] = ()
-        finish: FinishReason = "stop"
-        if self.mode == "expert":
-            try:
-                message = env.expert_action()
-            except Exception as exc:  # noqa: BLE001
-                raise _EnvFailure(f"expert_action failed: {_describe(exc)}") from exc
-        else:
-            params = self.params.model_copy(update={"max_tokens": budget})
-            # chat_with_errors (when the engine has it) also reports malformed tool calls
-            call = getattr(self.policy, "chat_with_errors", None)
-            try:
-                if call is not None:
-                    parsed = await asyncio.to_thread(call, list(ep.messages), ep.tools or None, params)
-                    message, errors = parsed.message, tuple(parsed.errors)
-                    finish = "stop" if parsed.ended_with_eot else "length"
-                else:
-                    message = await asyncio.to_thread(self.policy.chat, list(ep.messages), ep.tools or None, params)
-            except Exception as exc:  # noqa: BLE001
-                raise _EngineFailure(_describe(exc)) from exc
-        try:
-            completion_ids = list(self.renderer.encode_completion(message))
-        except Exception as exc:  # noqa: BLE001
-            raise _EngineFailure(f"renderer.encode_completion failed: {_describe(exc)}") from exc
-        return completion_ids, None, finish, message, errors
-
-    # -- one episode --------------------------------------------------------------------------------
-    async def _episode(self, ep: _Episode) -> None:
+    async def episode(self, task: Task, sample_index: int, sem: asyncio.Semaphore) -> Trajectory:
+        """One episode through the shared loop; failed ones are zero-rewarded when configured."""
         cfg = self.config
-        try:
-            env = self.env_factory()
-        except Exception as exc:  # noqa: BLE001
-            raise _EnvFailure(f"making the env failed: {_describe(exc)}") from exc
-        ep.env_name = self.env_name or getattr(env, "name", type(env).__name__)
-        try:
-            try:
-                ep.tools = list(env.tool_schemas())
-                initial = await env.reset(ep.task)
-            except Exception as exc:  # noqa: BLE001
-                raise _EnvFailure(f"reset failed: {_describe(exc)}") from exc
-            ep.messages = list(initial)
-            try:
-                prompt = list(self.renderer.render_prompt(ep.messages, ep.tools or None))
-            except Exception as exc:  # noqa: BLE001
-                raise _EngineFailure(f"renderer.render_prompt failed: {_describe(exc)}") from exc
-            for _ in range(cfg.max_turns):
-                budget = cfg.max_tokens_per_turn
-                if cfg.max_tokens_per_episode is not None:
-                    budget = min(budget, cfg.max_tokens_per_episode - ep.generated)
-                if cfg.max_context is not None:
-                    room = cfg.max_context - len(prompt)
-                    if room <= 0:
-                        ep.end_reason = "context"
-                        return
-                    budget = min(budget, room)
-                completion_ids, logprobs, finish, message, parse_errors = await self._policy_turn(
-                    ep, env, prompt, budget
-                )
-                ep.generated += len(completion_ids)
-                try:
-                    result = await env.step(message, parse_errors)
-                except Exception as exc:  # noqa: BLE001
-                    raise _EnvFailure(f"step {len(ep.turns) + 1} failed: {_describe(exc)}") from exc
-                ep.reward += float(result.reward)
-                ep.last_info = dict(result.info)
-                ep.turns.append(
-                    Turn(
-                        prompt_ids=tuple(prompt),
-                        completion_ids=tuple(completion_ids),
-                        completion_logprobs=tuple(logprobs) if logprobs is not None else None,
-                        finish_reason=finish,
-                        message=message,
-                        parse_errors=parse_errors,
-                        env_messages=tuple(result.messages),
-                        reward=float(result.reward),
-                        metrics=_numeric(result.info),
-                    )
-                )
-                ep.messages.append(message)
-                ep.messages.extend(result.messages)
-                if result.terminated:
-                    ep.end_reason = "terminated"
-                    return
-                if result.truncated:
-                    ep.end_reason = "truncated"
-                    return
-                if cfg.max_tokens_per_episode is not None and ep.generated >= cfg.max_tokens_per_episode:
-                    ep.end_reason = "max_tokens"
-                    return
-                if len(ep.turns) >= cfg.max_turns:
-                    break
-                try:
-                    prompt = list(self.renderer.continue_prompt(prompt, completion_ids, result.messages))
-                except Exception as exc:  # noqa: BLE001
-                    raise _EngineFailure(f"renderer.continue_prompt failed: {_describe(exc)}") from exc
-            ep.end_reason = "max_turns"
-        finally:
-            try:
-                env.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("env.close() raised: %s", _describe(exc))
-
-    async def _guarded_episode(self, ep: _Episode, sem: asyncio.Semaphore, on_done: Callable[[_Episode], None]) -> None:
         async with sem:
             if self.batcher is not None:
                 self.batcher.episode_started()
-            ep.started = time.perf_counter()
             try:
-                await asyncio.wait_for(self._episode(ep), self.config.episode_timeout_s)
-            except TimeoutError:
-                ep.end_reason = "timeout"
-                ep.error = f"episode exceeded {self.config.episode_timeout_s}s"
-            except _EnvFailure as exc:
-                ep.end_reason = "env_error"
-                ep.error = str(exc)
-                log.debug("env error in %s:\n%s", ep.task.id, "".join(traceback.format_exception(exc)))
-            except _EngineFailure as exc:
-                ep.end_reason = "engine_error"
-                ep.error = str(exc)
-            except Exception as exc:  # noqa: BLE001 - a bug in the runner's callers must not kill the run
-                ep.end_reason = "engine_error"
-                ep.error = _describe(exc)
-                log.error("unexpected error in episode %s: %s", ep.task.id, "".join(traceback.format_exception(exc)))
+                traj = await play_episode(
+                    self.env_factory, task, lambda env: _RenderedPolicy(self, env),
+                    max_turns=cfg.max_turns, max_tokens=cfg.max_tokens_per_episode, timeout_s=cfg.episode_timeout_s,
+                    sample_index=sample_index, env_name=self.env_name, policy_name=self.policy_name,
+                )
             finally:
-                ep.finished = time.perf_counter()
                 if self.batcher is not None:
                     self.batcher.episode_finished()
-            if ep.error is not None:
-                log.warning("episode %s/%d ended with %s: %s", ep.task.id, ep.sample_index, ep.end_reason, ep.error)
-            on_done(ep)
-
-    def trajectory(self, ep: _Episode) -> Trajectory:
-        failed = ep.end_reason in ("env_error", "timeout", "engine_error")
-        info: dict[str, Any] = {"wall_time_s": round(ep.finished - ep.started, 4)}
-        if "reference_calls" in ep.task.data:
-            info["reference_calls"] = ep.task.data["reference_calls"]
-        zero = failed and self.config.on_env_error == "zero_reward"
-        return Trajectory(
-            env=ep.env_name or (self.env_name or ""),
-            task_id=ep.task.id,
-            split=ep.task.split,
-            sample_index=ep.sample_index,
-            tools=tuple(ep.tools),
-            messages=tuple(ep.messages),
-            turns=tuple(ep.turns),
-            reward=0.0 if zero else ep.reward,
-            success=False if failed else bool(ep.last_info.get("success", False)),
-            metrics=_numeric(ep.last_info),
-            end_reason=ep.end_reason or "engine_error",
-            error=ep.error,
-            policy=self.policy_name,
-            info=info,
-        )
+        if traj.error is not None:
+            log.warning("episode %s/%d ended with %s: %s", task.id, sample_index, traj.end_reason, traj.error)
+        if traj.end_reason in FAILED_END_REASONS and cfg.on_env_error == "zero_reward":
+            traj = traj.model_copy(update={"reward": 0.0})
+        return traj
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -527,11 +461,7 @@ async def run_rollouts(
     if policy_name is None:
         policy_name = policy if isinstance(policy, str) else str(getattr(policy, "model_name", None) or policy.name)
     runner = _Runner(factory, env_name, policy, renderer, config, policy_name)
-    episodes = [
-        _Episode(index=i * config.samples_per_task + k, task=task, sample_index=k)
-        for i, task in enumerate(tasks)
-        for k in range(config.samples_per_task)
-    ]
+    episodes = [(task, k) for task in tasks for k in range(config.samples_per_task)]
     kept: dict[int, Trajectory] = {}
     failed: dict[int, Trajectory] = {}
     end_reasons: Counter[str] = Counter()
@@ -542,20 +472,19 @@ async def run_rollouts(
     with _progress_bar(len(episodes), progress) as bar:
         bar_task = bar.add_task("rollout", total=len(episodes), rates="")
 
-        def on_done(ep: _Episode) -> None:
+        def on_done(index: int, traj: Trajectory) -> None:
             nonlocal generated
-            traj = runner.trajectory(ep)
             end_reasons[traj.end_reason] += 1
             generated += traj.num_generated_tokens
-            is_failure = traj.end_reason in ("env_error", "timeout", "engine_error")
+            is_failure = traj.end_reason in FAILED_END_REASONS
             if is_failure and len(errors) < 20:
                 errors.append(f"{traj.task_id}/{traj.sample_index}: {traj.end_reason}: {traj.error}")
             if is_failure and config.on_env_error == "exclude":
-                failed[ep.index] = traj
+                failed[index] = traj
                 if failed_writer is not None:
                     failed_writer.write(traj)
             else:
-                kept[ep.index] = traj
+                kept[index] = traj
                 if writer is not None:
                     writer.write(traj)
             elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -567,8 +496,11 @@ async def run_rollouts(
         if runner.mode == "token":
             runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
             batcher_task = asyncio.create_task(runner.batcher.run())
+        async def one(index: int, task: Task, sample_index: int) -> None:
+            on_done(index, await runner.episode(task, sample_index, sem))
+
         try:
-            await asyncio.gather(*(runner._guarded_episode(ep, sem, on_done) for ep in episodes))
+            await asyncio.gather(*(one(i, task, k) for i, (task, k) in enumerate(episodes)))
         finally:
             if batcher_task is not None:
                 batcher_task.cancel()
@@ -582,7 +514,7 @@ async def run_rollouts(
     stats = RolloutStats(
         episodes=len(episodes),
         kept=len(kept),
-        failed=sum(end_reasons[r] for r in ("env_error", "timeout", "engine_error")),
+        failed=sum(end_reasons[r] for r in FAILED_END_REASONS),
         end_reasons=dict(end_reasons),
         errors=errors,
         success_rate=(sum(t.success for t in trajectories) / len(trajectories)) if trajectories else 0.0,

@@ -7,10 +7,11 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
   ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce`` (the episode's value on every turn) and
   ``turn_rloo`` (per-turn rewards-to-go, leave-one-out baseline per turn index). The tensor math
   behind them (``grpo_advantages(rewards [N], group_ids [N])`` ...) is exported too.
-- Policy losses: ``POLICY_LOSSES.get(name)(logprobs, old_logprobs, advantages, mask, cfg, *,
-  token_weights, entropy, normalizers) -> (loss, metrics)`` on target-aligned ``[B, T]`` tensors;
-  registered: ``ppo_clip``, ``gspo``, ``policy_gradient``. The recipe calls
-  ``compute_policy_loss(batch_part, logprobs, entropy, PolicyLossConfig)``.
+- Policy losses: ``fn(inputs: LossInputs, opts) -> (per_token_loss [B, T], metrics)`` on
+  target-aligned tensors (unmasked, unweighted, not aggregated), registered with their options
+  model: ``POLICY_LOSSES.register(name, options=Model)``; built in: ``ppo_clip``, ``gspo``,
+  ``policy_gradient``. The recipe calls ``compute_policy_loss(batch_part, logprobs, entropy,
+  PolicyLossConfig)``, which applies mask, TIS weights, aggregation, KL and entropy once.
 - SFT: ``sft_loss``; KL: ``kl_per_token``, ``kl_penalized_rewards``, ``kl_penalized_advantages``;
   TIS: ``truncated_importance_weights``.
 
@@ -31,10 +32,13 @@ from tracegym.algos.grpo import grpo_advantages
 from tracegym.algos.reinforce import reinforce_advantages
 from tracegym.algos.rloo import rloo_advantages
 from tracegym.algos.aggregation import AGGREGATIONS, LossNormalizers, aggregate, masked_mean
-from tracegym.algos.compose import compute_policy_loss
-from tracegym.algos.config import PolicyLossConfig
+from tracegym.algos.compose import PolicyLossBatch, compute_policy_loss
+from tracegym.algos.config import PolicyLossConfig, policy_loss_problems
 from tracegym.algos.entropy_clip import entropy_clip_scale
+from tracegym.algos.gspo import GSPOOptions
 from tracegym.algos.kl import KL_ESTIMATORS, kl_penalized_advantages, kl_penalized_rewards, kl_per_token
+from tracegym.algos.loss_inputs import LossInputs
+from tracegym.algos.ppo_clip import PPOClipOptions
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry
 from tracegym.algos.sft import sft_loss
 from tracegym.algos.tis import truncated_importance_weights
@@ -44,9 +48,13 @@ from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advan
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "GSPOOptions",
     "KL_ESTIMATORS",
+    "LossInputs",
     "LossNormalizers",
     "POLICY_LOSSES",
+    "PPOClipOptions",
+    "PolicyLossBatch",
     "PolicyLossConfig",
     "Registry",
     "aggregate",
@@ -65,6 +73,7 @@ __all__ = [
     "kl_penalized_rewards",
     "kl_per_token",
     "masked_mean",
+    "policy_loss_problems",
     "sft_loss",
     "truncated_importance_weights",
     "turn_level_advantages",

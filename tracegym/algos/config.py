@@ -109,13 +109,19 @@ class PolicyLossCommon(BaseModel):
 COMMON_KEYS: tuple[str, ...] = tuple(PolicyLossCommon.model_fields)
 
 
-def _loss_model(name: Any) -> tuple[str | None, type[BaseModel] | None]:
-    """The options model of loss ``name``; for an unknown name that of the nearest registered loss
-    (so its options are still checked), else ``(None, None)``."""
+def _loss_model(name: Any, keys: Any = ()) -> tuple[str | None, type[BaseModel] | None]:
+    """The options model of loss ``name``. For an unknown name (reported by the ``loss`` field), the
+    registered loss whose options know most of ``keys`` (ties: one whose name contains the given one, then the nearest name), so the values of
+    those keys are still checked; ``(None, None)`` when no loss knows any of them."""
     if isinstance(name, str) and name in POLICY_LOSSES:
         return name, POLICY_LOSSES.options(name)
-    near = difflib.get_close_matches(str(name), POLICY_LOSSES.names(), n=1) if isinstance(name, str) else []
-    return (near[0], POLICY_LOSSES.options(near[0])) if near else (None, None)
+    keys = set(keys)
+    near = difflib.get_close_matches(str(name), POLICY_LOSSES.names(), n=len(POLICY_LOSSES), cutoff=0.0)
+    scored = [(len(keys & set(POLICY_LOSSES.options(n).model_fields)), str(name) in n, -near.index(n), n) for n in near]
+    if not scored or max(scored)[0] == 0:
+        return None, None
+    best = max(scored)[-1]
+    return best, POLICY_LOSSES.options(best)
 
 
 def _message(err: Mapping[str, Any]) -> str:
@@ -170,9 +176,11 @@ def policy_loss_problems(options: Any) -> list[str]:
         PolicyLossCommon.model_validate(common)
     except ValidationError as exc:
         problems += _value_problems(exc)
-    loss, model = _loss_model(options.get("loss", DEFAULT_LOSS))
+    loss, model = _loss_model(options.get("loss", DEFAULT_LOSS), rest)
     if model is not None and loss is not None:
         problems += _parse_loss_options(loss, model, rest)[1]
+    elif rest:  # an unknown loss and keys no registered loss knows
+        problems += [f"unknown key 'policy_loss.{k}': no registered policy loss has this option" for k in rest]
     return problems
 
 

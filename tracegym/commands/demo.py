@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from tracegym.commands._config import add_plugin_argument
+
 NAME = "demo"
 HELP = "The main job: evaluate base SmolLM2, SFT it on expert traces, RL it, evaluate each; report in runs/demo."
 
@@ -18,13 +20,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DemoConfig overrides, VALUE parsed as YAML: rl_steps=16 output_dir=runs/demo2")
     parser.add_argument("--config", "-c", metavar="FILE", help="optional YAML file of DemoConfig fields")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_plugin_argument(parser)
+
+
+def check_config(cfg: object) -> None:
+    """The env and both option sets exist and fit the env's signature (before any model loads)."""
+    from tracegym.commands._config import check_env_config
+    from tracegym.config import ConfigError
+
+    problems = check_env_config(cfg.env, cfg.env_options, "env", "env_options")  # type: ignore[attr-defined]
+    if not problems:
+        problems = check_env_config(cfg.env, cfg.sft_env_options, "env", "sft_env_options")  # type: ignore[attr-defined]
+    if problems:
+        raise ConfigError(problems)
 
 
 def run(args: argparse.Namespace) -> int:
     from tracegym.commands._config import load_for_command
     from tracegym.recipes.demo import DemoConfig, run_demo
 
-    cfg = load_for_command(DemoConfig, args)
+    cfg = load_for_command(DemoConfig, args, check=check_config)
     if isinstance(cfg, int):
         return cfg
     run_demo(cfg)

@@ -3,6 +3,7 @@
     tracegym envs                                  # one line per env
     tracegym envs show calculator                  # tool schemas + a sample task's first messages
     tracegym envs expert calculator sokoban --tasks 200 --split test
+    tracegym envs --plugin my_env.py                # also the envs that a plugin module registers
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from tracegym.commands._config import add_plugin_argument
 
 NAME = "envs"
 HELP = "List environments, show one (tools, a sample task), or measure the scripted experts."
@@ -27,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--option", "-o", action="append", default=[], metavar="KEY=VALUE",
         help="env option, e.g. -o num_calls=3 (VALUE is read as JSON when it parses, else as text)",
     )
+    add_plugin_argument(parser)
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -99,12 +103,13 @@ def _expert(names: list[str], options: dict[str, Any], n_tasks: int, split: str,
             continue
         start = time.perf_counter()
         results = asyncio.run(
-            run_episodes(lambda: make(name, **options), tasks, lambda e: e.expert_action, concurrency=concurrency)
+            run_episodes(lambda: make(name, **options), tasks, lambda e: e.expert_action, concurrency=concurrency,
+                         policy_name="expert")
         )
         elapsed = time.perf_counter() - start
         solved = sum(r.success for r in results)
         errors = sum(r.error is not None for r in results)
-        turns = sum(r.turns for r in results) / max(1, len(results))
+        turns = sum(m.role == "assistant" for r in results for m in r.messages) / max(1, len(results))
         print(f"{name:<14} {solved:>4}/{len(results):<4} {solved / max(1, len(results)):>7.1%} {turns:>6.1f} {errors:>6} {elapsed:>6.1f}s")
         for r in results:
             if r.error:

@@ -3,12 +3,15 @@
     tracegym rl --config examples/rl_calculator.yaml
     tracegym rl --config examples/rl_calculator.yaml steps=20 group_size=4 policy_loss.kl_coef=0.01
     tracegym rl --config examples/rl_calculator.yaml --resume
+    tracegym rl --config my_rl.yaml --plugin my_env.py     # a module that registers an env or a loss
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tracegym.commands._config import add_plugin_argument
 
 NAME = "rl"
 HELP = "Reinforcement learning (GRPO/RLOO/PPO-clip/GSPO, LoRA or full) in an environment, from a YAML config."
@@ -22,41 +25,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_plugin_argument(parser)
 
 
 def check_policy_loss(options: dict) -> None:
-    """Validate the ``policy_loss`` section with ``PolicyLossConfig``; raise ``ConfigError`` naming
-    each bad key as ``policy_loss.<key>`` with the nearest valid key (as for every other section)."""
-    import difflib
-
-    from pydantic import ValidationError
-
-    from tracegym.algos.config import PolicyLossConfig
+    """Validate the ``policy_loss`` section (common keys and the chosen loss's own options); raise
+    ``ConfigError`` naming each bad key as ``policy_loss.<key>`` with the nearest valid key (as for
+    every other section)."""
+    from tracegym.algos.config import policy_loss_problems
     from tracegym.config import ConfigError
 
+    problems = policy_loss_problems(options)
+    if problems:
+        raise ConfigError(problems, "policy_loss")
+
+
+def check_config(cfg: object) -> None:
+    """Sections ``RLConfig`` cannot validate alone: ``policy_loss`` and ``env`` (its name and options,
+    read from the env factory's signature). Raises one ``ConfigError`` listing every problem."""
+    from tracegym.commands._config import check_env_config
+    from tracegym.config import ConfigError
+
+    problems: list[str] = []
     try:
-        PolicyLossConfig.model_validate(options)
-    except ValidationError as exc:
-        allowed = sorted(PolicyLossConfig.model_fields)
-        problems = []
-        for err in exc.errors():
-            key = ".".join(["policy_loss", *(str(part) for part in err["loc"])])
-            if err["type"] == "extra_forbidden":
-                near = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1, cutoff=0.0)
-                hint = f"; did you mean 'policy_loss.{near[0]}'?" if near else ""
-                problems.append(f"unknown key '{key}'{hint} allowed keys here: {', '.join(allowed)}")
-            else:
-                given = f", got {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
-                problems.append(f"bad value for '{key}': {err['msg']}{given}")
-        raise ConfigError(problems, "policy_loss") from None
+        check_policy_loss(cfg.policy_loss)  # type: ignore[attr-defined]
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    problems.extend(check_env_config(cfg.env.name, cfg.env.options))  # type: ignore[attr-defined]
+    if problems:
+        raise ConfigError(problems)
 
 
 def run(args: argparse.Namespace) -> int:
     from tracegym.commands._config import load_for_command
     from tracegym.config import RLConfig
 
-    # a bad policy_loss option fails here, before any model loads
-    cfg = load_for_command(RLConfig, args, check=lambda c: check_policy_loss(c.policy_loss))
+    # a bad policy_loss option, env name or env option fails here, before any model loads
+    cfg = load_for_command(RLConfig, args, check=check_config)
     if isinstance(cfg, int):
         return cfg
 

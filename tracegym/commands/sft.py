@@ -4,12 +4,18 @@
     tracegym sft --config examples/sft_calculator.yaml lora.r=8 optim.lr=1e-4 max_steps=50
     tracegym sft --config examples/sft_calculator.yaml --resume
     tracegym sft --config examples/sft_calculator.yaml --print-config
+
+SFT has no env: it trains on trajectory files recorded earlier (``tracegym rollout``, with whatever
+env, built-in or plugin, they came from). ``--plugin`` / ``plugins:`` still import modules first
+(e.g. ones that register algorithms, or envs that a plugin recipe needs).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tracegym.commands._config import add_plugin_argument
 
 NAME = "sft"
 HELP = "Supervised fine-tuning (LoRA or full) on trajectory JSONL files, from a YAML config."
@@ -23,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_plugin_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

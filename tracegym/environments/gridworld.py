@@ -160,6 +160,12 @@ class _GridEnv(ToolEnv):
     def _expert_plan(self) -> list[str] | None:
         raise NotImplementedError
 
+    def state_key(self) -> str | None:
+        """The rendered board (agent, boxes, holes, goal): equal boards of one level are one state."""
+        if self.task is None:
+            return None
+        return f"{self.game}:{self.render()}"
+
     def expert_action(self) -> Message:
         if self.task is None:
             raise RuntimeError("expert_action called before reset")

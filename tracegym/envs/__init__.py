@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from tracegym.envs.base import Env, Task
 from tracegym.envs.check import CheckReport, EnvCheckError, check_env
-from tracegym.envs.episode import EpisodeResult, run_episode, run_episodes
+from tracegym.envs.episode import (
+    Action,
+    ContextExhausted,
+    Observation,
+    Policy,
+    PolicyError,
+    TokenData,
+    play_episode,
+    run_episode,
+    run_episodes,
+)
 from tracegym.envs.registry import (
     BUILTIN_ENVS,
     EnvLoadError,
@@ -22,19 +32,25 @@ from tracegym.envs.registry import (
 from tracegym.envs.tools import ToolEnv, extract_answer, tool, tool_schema
 
 __all__ = [
+    "Action",
     "BUILTIN_ENVS",
     "CheckReport",
+    "ContextExhausted",
     "Env",
     "EnvCheckError",
     "EnvLoadError",
-    "EpisodeResult",
     "Task",
+    "TokenData",
     "ToolEnv",
     "UnknownEnvError",
     "env_factory",
     "extract_answer",
     "list_envs",
     "make",
+    "Observation",
+    "play_episode",
+    "Policy",
+    "PolicyError",
     "register",
     "run_episode",
     "run_episodes",

@@ -11,6 +11,7 @@ Lifecycle::
     messages = await env.reset(tasks[0])           # system prompt (tool schemas) + first user turn
     result = await env.step(assistant_message, parse_errors)   # -> StepResult
     ... until result.terminated or result.truncated
+    env.state_key()                                # optional: a key of the current state, or None
 
 Envs see messages and return messages and rewards; they know no model, engine or trainer.
 """
@@ -64,6 +65,16 @@ class Env(ABC):
     def expert_action(self) -> Message:
         """The scripted expert's next assistant message, computed from the env's privileged state
         (the answer, the level, the database). Used to record SFT data and as the upper reference."""
+
+    def state_key(self) -> str | None:
+        """A key of the env's current state, for step-level credit assignment: two moments of one
+        task with equal keys are the same state (a grid game's board and agent position), so turns
+        taken there can be compared (GiGPO-style grouping). The episode loop records it on each
+        ``Turn`` before that turn's action. Keep it short, deterministic across instances and
+        processes (no ``id()``, no ``hash()`` of strings), and independent of how the state was
+        reached. None (the default): unknown; the loop then keys the state by a hash of the
+        observations so far (every non-assistant message)."""
+        return None
 
     def close(self) -> None:
         """Release per-episode resources."""

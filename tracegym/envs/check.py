@@ -2,8 +2,9 @@
 
 Checks, each reported by name:
 
-- ``determinism``: the same seed gives the same tasks and the same reset messages, on two separate
-  instances; a different seed gives different tasks; every task carries the split it was asked for.
+- ``determinism``: the same seed gives the same tasks, the same reset messages and the same
+  ``state_key()`` after reset, on two separate instances; a different seed gives different tasks;
+  every task carries the split it was asked for.
 - ``disjoint_splits``: train and test share no task id and no task content (data, prompt text).
 - ``tool_schemas``: well-formed OpenAI function schemas (JSON-serialisable, an object
   ``parameters`` schema with valid property schemas, ``required`` within ``properties``), unique names.
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from tracegym.envs.base import Env, Task
-from tracegym.envs.episode import EpisodeResult, run_episode
-from tracegym.types import Message, StepResult, ToolCall
+from tracegym.envs.episode import run_episode
+from tracegym.types import Message, StepResult, ToolCall, Trajectory
 
 __all__ = ["CheckReport", "EnvCheckError", "acheck_env", "check_env", "schema_problems"]
 
@@ -176,6 +177,11 @@ def _prompt_text(messages: list[Message]) -> str:
     return "\n".join(m.content for m in messages if m.role in ("system", "user"))
 
 
+def _state_key(env: Env) -> Any:
+    state_key = getattr(env, "state_key", None)
+    return state_key() if state_key is not None else None
+
+
 def _is_error_tool_message(m: Message) -> bool:
     return m.role == "tool" and m.content.startswith("Error")
 
@@ -274,10 +280,20 @@ async def acheck_env(
         wrong = [t.id for t in train if t.split != "train"] + [t.id for t in test if t.split != "test"]
         if wrong:
             problems.append(f"tasks carry the wrong split: {wrong[:3]}")
-        resets_first = [await first.reset(t) for t in test[:5]]
-        resets_second = [await second.reset(t) for t in test[:5]]
+        resets_first, keys_first, resets_second, keys_second = [], [], [], []
+        for t in test[:5]:
+            resets_first.append(await first.reset(t))
+            keys_first.append(_state_key(first))
+        for t in test[:5]:
+            resets_second.append(await second.reset(t))
+            keys_second.append(_state_key(second))
         if resets_first != resets_second:
             problems.append("reset(task) gives different messages on two instances")
+        wrong_keys = [k for k in keys_first if k is not None and not isinstance(k, str)]
+        if wrong_keys:
+            problems.append(f"state_key() must return str or None, got {type(wrong_keys[0]).__name__}")
+        elif keys_first != keys_second:
+            problems.append("state_key() after reset(task) differs between two instances")
         if any(not messages or messages[-1].role not in ("user", "system") for messages in resets_first):
             problems.append("reset must return the initial system/user messages")
         return problems
@@ -396,7 +412,7 @@ async def acheck_env(
     return report
 
 
-async def _checked_expert_episode(env: Env, task: Task, limit: int, timeout_s: float, problems: list[str]) -> EpisodeResult:
+async def _checked_expert_episode(env: Env, task: Task, limit: int, timeout_s: float, problems: list[str]) -> Trajectory:
     """The expert's episode through ``run_episode``, with every step checked on the way."""
     original_step = env.step
 
@@ -407,7 +423,7 @@ async def _checked_expert_episode(env: Env, task: Task, limit: int, timeout_s: f
 
     env.step = checked_step  # type: ignore[method-assign]
     try:
-        return await run_episode(env, task, env.expert_action, max_turns=limit, timeout_s=timeout_s)
+        return await run_episode(env, task, env.expert_action, max_turns=limit, timeout_s=timeout_s, policy_name="expert")
     finally:
         env.close()
 

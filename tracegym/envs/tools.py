@@ -15,16 +15,23 @@ function-calling format) comes from the type hints and the Google-style docstrin
 ``ToolEnv.step`` validates every call against that schema, runs it under a timeout and turns every
 failure (unknown tool, bad arguments, an exception, a timeout, a malformed call the renderer could
 not parse) into a ``tool`` message starting with ``"Error:"``: the model sees what went wrong and
-the episode goes on. Counters of calls, errors and timeouts are reported in ``StepResult.info``.
+the episode goes on. Counters of calls, errors, timeouts and cut outputs are reported in
+``StepResult.info``.
+
+A tool's output (or error text) longer than ``max_tool_output_chars`` (default 16,000 characters) is
+cut: the head and the tail are kept around a marker saying how many characters were dropped, so one
+runaway tool cannot put megabytes into every trajectory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import json
 import re
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -60,8 +67,8 @@ def tool(fn: Callable[..., Any] | None = None, *, timeout: float = 5.0) -> Any:
     """Mark a method of a :class:`ToolEnv` subclass as a tool (usable as ``@tool`` or ``@tool(timeout=...)``).
 
     ``timeout`` is the wall-clock limit of one call in seconds; a call that runs longer answers
-    ``"Error: ... timed out"``. (A sync tool runs in a worker thread, which Python cannot kill: the
-    thread finishes in the background, but the episode does not wait for it.)
+    ``"Error: ... timed out"``. (A sync tool runs in its own daemon thread, which Python cannot kill:
+    the thread finishes in the background, but neither the episode nor the process waits for it.)
     """
     if timeout <= 0:
         raise ValueError(f"tool timeout must be > 0, got {timeout}")
@@ -288,6 +295,56 @@ def extract_answer(text: str) -> str | None:
 # --- the tool environment -------------------------------------------------------------------------
 
 
+def _call_in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> asyncio.Future[Any]:
+    """Run a blocking ``fn(**kwargs)`` on a new daemon thread; its outcome lands in the returned future.
+
+    Why not ``asyncio.to_thread``: it uses the loop's default executor, a bounded pool of non-daemon
+    threads. A tool that never returns keeps its worker forever, so a few dozen stuck calls fill the
+    pool and every later sync tool call (in any episode) queues behind them and times out without
+    having run; and ``asyncio.run`` joins the pool's threads on exit, so the process never ends.
+    One daemon thread per call has neither problem: a stuck call only holds its own thread, and the
+    interpreter exits without waiting for it. Starting a thread costs tens of microseconds, nothing
+    next to a tool call. The result is handed back with ``call_soon_threadsafe``; once the caller
+    gave up (timeout, cancellation) the future is done and a late result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()  # like to_thread: the tool sees the caller's context vars
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():  # timed out or cancelled meanwhile
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, context.run(fn, **kwargs))
+        except BaseException as exc:  # handed to the awaiting episode, like a pool would
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=work, name=f"tracegym-tool-{name}", daemon=True).start()
+    return future
+
+
+def _truncate_output(text: str, limit: int) -> tuple[str, bool]:
+    """Cut ``text`` to ``limit`` characters (3/4 head, 1/4 tail) around a marker naming the cut;
+    (text, False) when it fits or ``limit`` is 0 (no limit)."""
+    if limit <= 0 or len(text) <= limit:
+        return text, False
+    tail = limit // 4
+    head = limit - tail
+    cut = len(text) - limit
+    marker = f"\n...[truncated {cut:,} characters]...\n"
+    return text[:head] + marker + (text[len(text) - tail:] if tail else ""), True
+
+
 def _format_result(result: Any) -> str:
     if isinstance(result, str):
         return result
@@ -309,11 +366,20 @@ class ToolEnv(Env):
     """
 
     default_max_turns: int = 10
+    default_max_tool_output_chars: int = 16_000
 
-    def __init__(self, max_turns: int | None = None) -> None:
+    def __init__(self, max_turns: int | None = None, max_tool_output_chars: int | None = None) -> None:
+        """``max_turns``: assistant turns before the episode is truncated (None: ``default_max_turns``).
+        ``max_tool_output_chars``: longest tool message content kept, in characters, marker aside
+        (None: ``default_max_tool_output_chars``, 16,000; 0: no limit)."""
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_tool_output_chars is not None and max_tool_output_chars < 0:
+            raise ValueError(f"max_tool_output_chars must be >= 0 (0: no limit), got {max_tool_output_chars}")
         self.max_turns: int = max_turns if max_turns is not None else self.default_max_turns
+        self.max_tool_output_chars: int = (
+            max_tool_output_chars if max_tool_output_chars is not None else self.default_max_tool_output_chars
+        )
         self._begin_episode()
         self._episode_started = False
 
@@ -342,6 +408,7 @@ class ToolEnv(Env):
             "tool_errors": 0,
             "tool_timeouts": 0,
             "parse_errors": 0,
+            "tool_output_truncated": 0,
         }
 
     # -- tools --
@@ -366,13 +433,20 @@ class ToolEnv(Env):
         """Called by a tool: the episode ends after the current call with this reward."""
         self._pending_end = (float(reward), {"success": int(bool(success)), **info})
 
+    def _bounded(self, text: str) -> str:
+        """``text`` cut to ``max_tool_output_chars`` (counted in ``tool_output_truncated``)."""
+        text, cut = _truncate_output(text, self.max_tool_output_chars)
+        if cut:
+            self.counters["tool_output_truncated"] += 1
+        return text
+
     async def _run_tool(self, call: ToolCall) -> Message:
         functions = self.tool_functions()
         self.counters["tool_calls"] += 1
 
         def error(text: str) -> Message:
             self.counters["tool_errors"] += 1
-            return Message(role="tool", content=f"Error: {text}", tool_call_id=call.id, name=call.name)
+            return Message(role="tool", content=self._bounded(f"Error: {text}"), tool_call_id=call.id, name=call.name)
 
         fn = functions.get(call.name)
         if fn is None:
@@ -386,7 +460,7 @@ class ToolEnv(Env):
             if inspect.iscoroutinefunction(fn):
                 result = await asyncio.wait_for(bound(**kwargs), timeout=spec.timeout)
             else:
-                result = await asyncio.wait_for(asyncio.to_thread(bound, **kwargs), timeout=spec.timeout)
+                result = await asyncio.wait_for(_call_in_daemon_thread(bound, kwargs, call.name), timeout=spec.timeout)
         except (asyncio.TimeoutError, TimeoutError):
             self.counters["tool_timeouts"] += 1
             return error(f"tool '{call.name}' timed out after {spec.timeout:g} s.")
@@ -395,7 +469,7 @@ class ToolEnv(Env):
         except Exception as exc:  # the tool's own failure is the model's information, not a crash
             detail = str(exc) or type(exc).__name__
             return error(f"tool '{call.name}' failed: {type(exc).__name__}: {detail}")
-        return Message(role="tool", content=_format_result(result), tool_call_id=call.id, name=call.name)
+        return Message(role="tool", content=self._bounded(_format_result(result)), tool_call_id=call.id, name=call.name)
 
     # -- the step --
 
