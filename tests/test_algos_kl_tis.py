@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from tracegym.algos import kl_penalized_advantages, kl_penalized_rewards, kl_per_token, truncated_importance_weights
+from tracegym.algos import (
+    PolicyLossConfig,
+    kl_penalized_advantages,
+    kl_penalized_rewards,
+    kl_per_token,
+    policy_loss_problems,
+    truncated_importance_weights,
+)
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)  # the policy pi (samples come from it)
 Q = torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64)  # the reference pi_ref
@@ -41,6 +48,48 @@ def test_monte_carlo_k3_is_unbiased_and_lower_variance_than_k1():
     assert k3.mean().item() == pytest.approx(TRUE_KL, abs=5e-3)
     assert k3.var().item() < k1.var().item()
     assert (k3 >= 0).all() and (k1 < 0).any()  # k3 never negative, k1 can be
+
+
+def _expected_loss_gradient(estimator: str) -> torch.Tensor:
+    """E_{x ~ pi}[grad_theta k(log pi_theta(x), log q(x))] over the logits theta, exactly: the
+    samples are fixed (no score-function term), as when the estimator is a loss term on sampled
+    tokens. pi = softmax(theta) = P."""
+    theta = P.log().clone().requires_grad_()
+    logp = torch.log_softmax(theta, dim=-1)
+    per_sample = kl_per_token(logp, Q.log(), estimator)  # k at every category x
+    (grad,) = torch.autograd.grad((logp.exp().detach() * per_sample).sum(), theta)
+    return grad
+
+
+def _grad_of(divergence) -> torch.Tensor:
+    theta = P.log().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(divergence(torch.log_softmax(theta, dim=-1), Q.log()), theta)
+    return grad
+
+
+def test_kl_estimators_as_loss_terms_follow_these_gradients():
+    forward = _grad_of(lambda logp, logq: (logp.exp() * (logp - logq)).sum())  # grad KL(pi || ref)
+    reverse = _grad_of(lambda logp, logq: (logq.exp() * (logq - logp)).sum())  # grad KL(ref || pi)
+    assert not torch.allclose(forward, reverse, atol=1e-3)  # the two directions differ here
+    # k1: E_pi[grad log pi] = grad sum_x pi(x) = 0: no gradient at all
+    torch.testing.assert_close(_expected_loss_gradient("k1"), torch.zeros(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    # k2: (log p - log q) grad log p, in expectation grad KL(pi || ref)
+    torch.testing.assert_close(_expected_loss_gradient("k2"), forward, atol=1e-12, rtol=0)
+    # k3: (1 - q/p) grad log p, in expectation -sum_x q grad log p = grad KL(ref || pi), not grad KL(pi || ref)
+    torch.testing.assert_close(_expected_loss_gradient("k3"), reverse, atol=1e-12, rtol=0)
+    assert not torch.allclose(_expected_loss_gradient("k3"), forward, atol=1e-3)
+
+
+def test_k1_in_the_loss_is_rejected():
+    with pytest.raises(ValueError, match="zero expected gradient.*k3.*kl_penalty: reward"):
+        PolicyLossConfig(kl_coef=0.1, kl_estimator="k1")
+    with pytest.raises(ValueError, match="zero expected gradient"):
+        PolicyLossConfig(kl_estimator="k1", kl_penalty="loss")
+    (problem,) = policy_loss_problems({"kl_coef": 0.1, "kl_estimator": "k1"})
+    assert "k1" in problem and "kl_penalty: reward" in problem
+    # k1 in the reward is fine (the value matters there, and it is unbiased), as are k2/k3 in the loss
+    assert PolicyLossConfig(kl_coef=0.1, kl_estimator="k1", kl_penalty="reward").kl_estimator == "k1"
+    assert policy_loss_problems({"kl_coef": 0.1, "kl_estimator": "k2"}) == []
 
 
 def test_kl_penalized_rewards_and_advantages():

@@ -179,7 +179,7 @@ def test_gspo_sequence_ratio_hand_computed():
     old = torch.zeros(1, 2)
     logprobs = torch.tensor([[0.2, -0.1]])
     adv = torch.ones(1, 2)
-    per_token, m = _per_token("gspo", logprobs, old, adv, clip_eps_low=0.2)
+    per_token, m = _per_token("gspo", logprobs, old, adv, clip_eps_low=0.2, clip_eps_high=0.2)
     torch.testing.assert_close(per_token, torch.full((1, 2), -1.051271), atol=1e-6, rtol=0)
     assert m["ratio_mean"] == pytest.approx(1.051271, abs=1e-6)
     # approx_kl comes from the token log-ratios: mean(e^0.2 - 1 - 0.2, e^-0.1 - 1 + 0.1)
@@ -349,7 +349,8 @@ def test_policy_gradient_has_no_options(key, value):
     with pytest.raises(ValueError, match=rf"unknown key 'policy_loss.{key}' for loss 'policy_gradient'"):
         PolicyLossConfig(loss="policy_gradient", **{key: value})
     (problem,) = policy_loss_problems({"loss": "policy_gradient", key: value})
-    assert f"'policy_loss.{key}'" in problem and "'policy_gradient'" in problem and "an option of 'ppo_clip'" in problem
+    assert f"'policy_loss.{key}'" in problem and "'policy_gradient'" in problem and "(an option of " in problem
+    assert "'ppo_clip'" in problem.split("(an option of ")[1].split(")")[0]
     assert "allowed keys here: aggregation, entropy_coef, fixed_length" in problem
     # and the loss itself refuses options
     with pytest.raises(ValueError):

@@ -153,7 +153,7 @@ CONFIGS = {
     "token_mean": PolicyLossConfig(aggregation="token_mean", clip_eps_high=0.28, dual_clip_c=3.0),
     "sequence_mean": PolicyLossConfig(aggregation="sequence_mean"),
     "fixed_length_sum": PolicyLossConfig(aggregation="fixed_length_sum", fixed_length=16),
-    "fixed_length_sum_batch_T": PolicyLossConfig(aggregation="fixed_length_sum"),
+    "sequence_sum": PolicyLossConfig(aggregation="sequence_sum", clip_eps_high=0.28),
     "gspo": PolicyLossConfig(loss="gspo", aggregation="sequence_mean", clip_eps_low=0.05),
     "all_terms": PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, entropy_clip=True),
 }

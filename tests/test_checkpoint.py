@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import random
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +141,120 @@ def test_no_checkpoint_and_incomplete_folder(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         load_checkpoint(tmp_path / "x")
+
+
+# --- corrupt checkpoints: verified on load, skipped with a warning, never a silent fresh start ----
+
+
+def _truncate(file, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+def _two_checkpoints(tmp_path):
+    model, optimizer, scheduler = _setup(lora=True)
+    older = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, state={"tag": "older"})
+    _train_steps(model, optimizer, scheduler, 1)
+    newer = save_checkpoint(tmp_path, 2, model, optimizer, scheduler, state={"tag": "newer"})
+    return model, optimizer, scheduler, older, newer
+
+
+def test_manifest_records_size_and_hash_of_every_file(tmp_path):
+    model, optimizer, scheduler = _setup(lora=True)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    files = json.loads((path / "meta.json").read_text())["files"]
+    assert set(files) == {"training_state.pt", "model/adapter_model.safetensors", "model/adapter_config.json",
+                          *(f"model/{p.name}" for p in (path / "model").iterdir())}
+    state = files["training_state.pt"]
+    assert state["size"] == (path / "training_state.pt").stat().st_size
+    assert state["sha256"] == hashlib.sha256((path / "training_state.pt").read_bytes()).hexdigest()
+    assert ckpt.verify_checkpoint(path) == []
+
+
+@pytest.mark.parametrize("victim", ["training_state.pt", "model/adapter_model.safetensors"])
+def test_truncated_latest_resumes_from_the_older_with_a_warning(tmp_path, caplog, victim):
+    model, optimizer, scheduler, older, newer = _two_checkpoints(tmp_path)
+    _truncate(newer / victim)
+    with caplog.at_level(logging.WARNING, logger="tracegym.train.checkpoint"):
+        assert latest_checkpoint(tmp_path) == older  # what the recipes call
+    assert str(newer / victim) in caplog.text and "truncated" in caplog.text
+    assert latest_checkpoint(tmp_path, verify=False) == newer  # the unchecked, old behaviour
+    # Loading it directly is a clear error naming the file, not a raw traceback from torch/safetensors.
+    with pytest.raises(ckpt.CorruptCheckpointError, match=re.escape(str(newer / victim))):
+        load_checkpoint(newer, model, optimizer, scheduler)
+
+    caplog.clear()
+    model2, optimizer2, scheduler2 = _setup(lora=True)
+    with caplog.at_level(logging.WARNING, logger="tracegym.train.checkpoint"):
+        restored = ckpt.load_latest_intact(tmp_path, model2, optimizer2, scheduler2)
+    assert restored.path == older and restored.step == 1 and restored.state == {"tag": "older"}
+    assert str(newer / victim) in caplog.text
+
+
+def test_same_size_corruption_is_caught_by_the_hash(tmp_path):
+    _, _, _, older, newer = _two_checkpoints(tmp_path)
+    file = newer / "model" / "adapter_model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in the tensor data: size and structure unchanged
+    file.write_bytes(bytes(data))
+    (problem,) = ckpt.verify_checkpoint(newer)
+    assert problem.startswith(str(file)) and "sha256" in problem
+    assert latest_checkpoint(tmp_path) == older
+
+
+def test_all_checkpoints_corrupt_is_a_clear_error_naming_the_files(tmp_path):
+    model, optimizer, scheduler, older, newer = _two_checkpoints(tmp_path)
+    _truncate(older / "training_state.pt")
+    _truncate(newer / "model" / "adapter_model.safetensors", keep=0.0)
+    for resume in (lambda: latest_checkpoint(tmp_path),
+                   lambda: ckpt.load_latest_intact(tmp_path, model, optimizer, scheduler)):
+        with pytest.raises(ckpt.CorruptCheckpointError, match="no intact checkpoint") as caught:
+            resume()
+        message = str(caught.value)
+        assert str(older / "training_state.pt") in message
+        assert str(newer / "model" / "adapter_model.safetensors") in message
+        assert "not starting from scratch" in message
+    assert ckpt.load_latest_intact(tmp_path / "elsewhere") is None  # no checkpoint at all: a fresh run
+
+
+def _strip_manifest(path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_checkpoints_without_a_manifest_still_load_and_truncation_is_still_caught(tmp_path):
+    model, optimizer, scheduler, older, newer = _two_checkpoints(tmp_path)
+    for path in (older, newer):
+        _strip_manifest(path)  # as written before the manifest existed
+    assert ckpt.verify_checkpoint(newer) == []
+    assert latest_checkpoint(tmp_path) == newer
+    assert load_checkpoint(newer, model, optimizer, scheduler).state == {"tag": "newer"}
+
+    # Without sizes to compare, the file structure still gives truncation away.
+    _truncate(newer / "model" / "adapter_model.safetensors", keep=0.9)
+    _truncate(older / "training_state.pt", keep=0.9)
+    (adapter_problem,) = ckpt.verify_checkpoint(newer)
+    (state_problem,) = ckpt.verify_checkpoint(older)
+    assert adapter_problem.startswith(str(newer / "model" / "adapter_model.safetensors"))
+    assert state_problem.startswith(str(older / "training_state.pt"))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="no intact checkpoint"):
+        latest_checkpoint(tmp_path)
+    # Even unverified, a read failure is named, not a raw torch/safetensors traceback.
+    with pytest.raises(ckpt.CorruptCheckpointError, match=re.escape(str(older / "training_state.pt"))):
+        load_checkpoint(older, model, optimizer, scheduler, verify=False)
+
+
+def test_saving_after_a_fallback_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
+    model, optimizer, scheduler = _setup(lora=True)
+    for step in (4, 6):
+        save_checkpoint(tmp_path, step, model, optimizer, scheduler, keep_last=2)
+    _truncate(tmp_path / "checkpoints" / "step_000006" / "training_state.pt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000004"
+    # The resumed run saves step 5 keeping 1: the corrupt step 6 must not push step 5 out.
+    fresh = save_checkpoint(tmp_path, 5, model, optimizer, scheduler, keep_last=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [5, 6]
+    assert latest_checkpoint(tmp_path) == fresh
+    # Reaching step 6 again replaces the corrupt one; then pruning is as usual.
+    save_checkpoint(tmp_path, 6, model, optimizer, scheduler, keep_last=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6] and ckpt.verify_checkpoint(list_checkpoints(tmp_path)[0][1]) == []

@@ -248,14 +248,16 @@ def test_failures_end_only_their_own_episode() -> None:
     assert [r.task_id for r in results] == [t.id for t in tasks]
     for ok in ("e0", "e2", "e7"):
         assert by_id[ok].success and by_id[ok].end_reason == "terminated" and by_id[ok].error is None
-    assert by_id["e1"].end_reason == "env_error" and by_id["e1"].error == "step failed: RuntimeError: env exploded"
+    assert by_id["e1"].end_reason == "env_error" and by_id["e1"].error == "step 1 failed: RuntimeError: env exploded"
     assert by_id["e3"].end_reason == "timeout" and by_id["e3"].error == "episode timed out after 0.5 s"
     assert by_id["e3"].messages[-1].tool_calls[0].name == "hang"  # what happened before the hang is kept
     assert by_id["e4"].end_reason == "env_error" and by_id["e4"].error == "reset failed: OSError: disk gone"
-    assert by_id["e5"].end_reason == "policy_error" and by_id["e5"].error == "ValueError: policy bug"
+    # a policy that raises is an engine error (one end-reason vocabulary with the rollout runner)
+    assert by_id["e5"].end_reason == "engine_error" and by_id["e5"].error == "ValueError: policy bug"
+    assert all(not by_id[bad].success for bad in ("e1", "e3", "e4", "e5"))
     # A tool past its own timeout is an error message; the episode goes on and is solved.
     slow = by_id["e6"]
-    assert slow.success and slow.error is None and slow.info["tool_timeouts"] == 1
+    assert slow.success and slow.error is None and slow.metrics["tool_timeouts"] == 1
     assert slow.messages[3].content == "Error: tool 'slow' timed out after 0.05 s."
 
 
@@ -269,14 +271,17 @@ def test_failing_make_env_is_isolated() -> None:
 
     results = asyncio.run(run_episodes(flaky, _tasks(None, None, None), lambda env: env.expert_action, concurrency=1))
     assert [r.success for r in results] == [True, False, True]
-    assert results[1].error == "make_env failed: RuntimeError: no env today"
+    assert results[1].end_reason == "env_error"
+    assert results[1].error == "making the env failed: RuntimeError: no env today"
 
 
 def test_runner_turn_limit_and_policy_forms() -> None:
     env = Doubling(max_turns=50)
     lost = Message(role="assistant", tool_calls=(ToolCall(name="nope"),))
     result = asyncio.run(run_episode(env, _tasks(None)[0], lambda: lost, max_turns=3))
-    assert result.end_reason == "max_turns" and result.turns == 3 and not result.success
+    assert result.end_reason == "max_turns" and not result.success
+    assert [m.role for m in result.messages].count("assistant") == 3
+    assert result.turns == ()  # a message-only policy records no token turns
 
     seen: list[int] = []
 
@@ -290,15 +295,16 @@ def test_runner_turn_limit_and_policy_forms() -> None:
     assert result.messages[3].content == "Error: bad call"
 
 
-def test_expert_result_converts_to_a_trajectory() -> None:
+def test_run_episode_returns_a_trajectory() -> None:
     env = Doubling()
     task = env.tasks("test", 1)[0]
-    result = asyncio.run(run_episode(env, task, env.expert_action))
-    assert result.success and result.turns == 2 and result.reward == 1.0
-    trajectory = result.to_trajectory("doubling", split="test", tools=env.tool_schemas())
-    assert trajectory.success and trajectory.end_reason == "terminated" and trajectory.policy == "expert"
+    trajectory = asyncio.run(run_episode(env, task, env.expert_action, policy_name="expert"))
+    assert trajectory.success and trajectory.reward == 1.0 and trajectory.error is None
+    assert trajectory.env == "doubling" and trajectory.task_id == task.id and trajectory.split == "test"
+    assert trajectory.end_reason == "terminated" and trajectory.policy == "expert"
+    assert trajectory.tools == tuple(env.tool_schemas())
     assert [m.role for m in trajectory.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert trajectory.metrics["tool_calls"] == 1.0
+    assert trajectory.metrics["tool_calls"] == 1.0 and trajectory.turns == ()
 
 
 def test_an_env_that_crashes_is_reported_not_raised() -> None:

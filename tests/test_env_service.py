@@ -76,7 +76,7 @@ def test_expert_solves_test_tasks():
     solved = sum(r.success for r in results)
     print(f"service expert: {solved}/200 test tasks in {elapsed:.2f} s")
     assert solved >= 190
-    assert all(r.info["violations"] == 0 and r.info["tool_errors"] == 0 for r in results)
+    assert all(r.metrics["violations"] == 0 and r.metrics["tool_errors"] == 0 for r in results)
     for task, result in zip(tasks, results):
         made = [{"name": c.name, "arguments": c.arguments} for m in result.messages for c in m.tool_calls]
         assert made == task.data["reference_calls"]

@@ -30,11 +30,12 @@ register("{env}", {cls})
 
 @pytest.fixture()
 def isolated(monkeypatch: pytest.MonkeyPatch):
-    """sys.path and sys.modules as they were; registered env names removed afterwards."""
+    """sys.path as it was; this file's plugin modules (all named tgp_*) forgotten and the env names
+    they registered removed afterwards."""
     monkeypatch.setattr(sys, "path", list(sys.path))
-    modules_before, envs_before = set(sys.modules), set(list_envs())
+    envs_before = set(list_envs())
     yield
-    for name in set(sys.modules) - modules_before:
+    for name in [n for n in sys.modules if "tgp_" in n or n.startswith("tracegym_plugin_")]:
         del sys.modules[name]
     for name in set(list_envs()) - envs_before:
         unregister(name)
@@ -73,18 +74,21 @@ def test_file_whose_stem_is_taken_gets_its_own_module(tmp_path: Path, isolated: 
     assert sys.modules[module.__name__] is module
 
 
-def test_a_module_imported_twice_registers_the_same_env_without_error(tmp_path: Path, isolated: None) -> None:
-    # first as a file (its own module object), then again under another module name: two class
-    # objects of one definition; the registry takes the second quietly
-    path = _env_module(tmp_path / "a", "tgp_mod_c", "tgp-env-c")
-    load_plugins([str(path)])
-    pkg = tmp_path / "pkgroot" / "tgp_pkg_c"
+def test_one_file_imported_as_a_file_and_as_a_package_module_registers_quietly(tmp_path: Path, isolated: None) -> None:
+    pkg = tmp_path / "root" / "tgp_pkg_c"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "tgp_mod_c.py").write_text(path.read_text())
-    with pytest.raises(ValueError, match="already registered"):
-        load_plugins(["tgp_pkg_c.tgp_mod_c"], base_dir=tmp_path / "pkgroot")  # another file: a clash
-    assert "tgp_pkg_c.tgp_mod_c" not in sys.modules
+    path = _env_module(pkg, "tgp_mod_c", "tgp-env-c")
+    (as_file,) = load_plugins([str(path)])
+    (as_package,) = load_plugins(["tgp_pkg_c.tgp_mod_c"], base_dir=tmp_path / "root")
+    assert as_file is not as_package and as_package.__name__ == "tgp_pkg_c.tgp_mod_c"
+    assert type(make("tgp-env-c")) is as_package.TgpModC  # the same definition, registered again
+    # a different file that registers the same name is a clash, named in one line
+    _env_module(tmp_path / "other", "tgp_mod_c2", "tgp-env-c")
+    with pytest.raises(PluginError, match=r"plugin 'tgp_mod_c2': importing it failed: ValueError: env 'tgp-env-c' is "
+                                          r"already registered"):
+        load_plugins(["tgp_mod_c2"], base_dir=tmp_path / "other")
+    assert "tgp_mod_c2" not in sys.modules
 
 
 @pytest.mark.parametrize(

@@ -320,6 +320,40 @@ def test_engine_failure_is_recorded_not_raised():
     assert "out of memory" in res.failed[0].error
 
 
+@pytest.mark.parametrize("on_env_error", ["exclude", "zero_reward"])
+def test_non_finite_reward_is_a_failed_env_error(on_env_error: str, tmp_path: Path):
+    class NaNAt2(FakeEnv):
+        async def step(self, message, parse_errors=()):
+            result = await super().step(message, parse_errors)
+            if self.task.id == "t1" and self.steps == 2:
+                return result.model_copy(update={"reward": float("nan")})
+            return result
+
+    with TrajectoryWriter(tmp_path / "ok.jsonl") as ok, TrajectoryWriter(tmp_path / "bad.jsonl") as bad:
+        res = run(lambda: NaNAt2(finish_at=3), tasks(3), ScriptedEngine(), RolloutConfig(on_env_error=on_env_error),
+                  writer=ok, failed_writer=bad)
+    assert res.stats.end_reasons == {"terminated": 2, "env_error": 1} and res.stats.failed == 1
+    [failed] = [t for t in res.trajectories + res.failed if t.end_reason == "env_error"]
+    assert failed.task_id == "t1" and "t1" in failed.error and "nan" in failed.error
+    assert [turn.reward for turn in failed.turns] == [0.25]  # the NaN step is not recorded
+    assert failed.reward == (0.0 if on_env_error == "zero_reward" else 0.25) and not failed.success
+    assert "non-finite reward nan" in res.stats.errors[0]
+    for path in (tmp_path / "ok.jsonl", tmp_path / "bad.jsonl"):
+        for row in map(json.loads, path.read_text().splitlines()):
+            assert row["reward"] is not None and all(t["reward"] is not None for t in row["turns"])
+    assert res.stats.mean_reward == pytest.approx(sum(t.reward for t in res.trajectories) / len(res.trajectories))
+
+
+def test_expert_failure_is_an_engine_error():
+    class BrokenExpert(FakeEnv):
+        def expert_action(self):
+            raise KeyError("no plan")
+
+    res = run(lambda: BrokenExpert(), tasks(1), "expert", RolloutConfig())
+    assert res.failed[0].end_reason == "engine_error"
+    assert res.failed[0].error == "expert_action failed: KeyError: 'no plan'"
+
+
 # --- streaming to disk ---------------------------------------------------------------------------
 
 
@@ -398,6 +432,47 @@ def test_message_level_engine_path():
     assert engine.seen == [(2, 1, 7), (4, 1, 7)]
     assert t.turns[1].completion_ids == tuple(ByteRenderer().encode_completion(Message(role="assistant", content="reply 4")))
     assert t.turns[1].completion_logprobs is None and t.policy == "chat"
+
+
+def test_engine_abilities_come_from_capabilities():
+    from tracegym.engines.base import EngineCapabilities
+
+    class Both(ScriptedEngine):
+        """Has both generate and chat; which one the runner uses depends on its abilities."""
+
+        returns_logprobs = False  # the old attribute; capabilities wins when present
+
+        def __init__(self, caps):
+            super().__init__()
+            self.caps, self.chats = caps, 0
+
+        @property
+        def capabilities(self):
+            return self.caps
+
+        def chat(self, messages, tools, params):
+            self.chats += 1
+            return Message(role="assistant", content="chat")
+
+    token = Both(EngineCapabilities(returns_logprobs=True))
+    res = run(lambda: FakeEnv(finish_at=1), tasks(1), token, RolloutConfig())
+    assert token.calls == [1] and token.chats == 0 and res.trajectories[0].turns[0].completion_logprobs is not None
+    text = Both(EngineCapabilities(returns_logprobs=False, exact_token_ids=False))
+    res = run(lambda: FakeEnv(finish_at=1), tasks(1), text, RolloutConfig())
+    assert text.calls == [] and text.chats == 1 and res.trajectories[0].turns[0].completion_logprobs is None
+    # without capabilities, the old attribute decides
+    old = Both(None)
+    run(lambda: FakeEnv(finish_at=1), tasks(1), old, RolloutConfig())
+    assert old.calls == [] and old.chats == 1
+
+
+def test_runner_turns_carry_state_keys():
+    res = run(lambda: FakeEnv(finish_at=3), tasks(2), ScriptedEngine(), RolloutConfig(samples_per_task=2))
+    keys = [[turn.state_key for turn in t.turns] for t in res.trajectories]
+    assert all(len(k) == 3 and all(isinstance(x, str) and len(x) == 16 for x in k) for k in keys)
+    assert keys[0] == keys[1] and keys[2] == keys[3]  # same task, same observations
+    assert keys[0][0] != keys[2][0]  # the task's prompt differs
+    assert len(set(keys[0])) == 3  # each observation moves the state
 
 
 def test_bad_policy_is_a_clear_error():

@@ -177,3 +177,35 @@ def test_cli_runs_sft_and_reports_config_errors(tmp_path, toy_files, capsys):
     # A second run into the same folder without --resume is refused with a clear message.
     assert main(["sft", "--config", str(config), "max_steps=2"]) == 1
     assert "--resume" in capsys.readouterr().err
+
+
+def test_bad_lines_are_counted_in_the_run_or_stop_it(tmp_path, toy_files, caplog):
+    from tracegym.data.store import BadLineError
+
+    messy = tmp_path / "messy.jsonl"
+    lines = toy_files[0].read_text(encoding="utf-8").splitlines(keepends=True)
+    # line 3: valid JSON but not a trajectory; last line: torn by a crash mid-write
+    messy.write_text("".join(lines[:2]) + '{"env": "toy"}\n' + "".join(lines[2:]) + lines[0][:40], encoding="utf-8")
+    bad_at = (3, len(lines) + 2)
+
+    with caplog.at_level("WARNING", logger="tracegym.recipes.sft"):
+        result = train_sft(_config(tmp_path / "skip", messy, "max_steps=1", "lora.r=4"))
+    assert all(f"{messy}:{n}:" in caplog.text for n in bad_at)
+    step0 = next(r for r in read_metrics(result.run_dir) if r["step"] == 0)
+    assert step0["data/bad_lines"] == 2 and step0["data/kept_trajectories"] == 20
+
+    with pytest.raises(BadLineError, match=f"{messy}:3: not a Trajectory"):
+        train_sft(_config(tmp_path / "error", messy, "max_steps=1", "data.on_bad_line=error"))
+
+
+def test_resume_skips_a_truncated_latest_checkpoint(tmp_path, toy_files, caplog):
+    cfg = _config(tmp_path, toy_files[0], "max_steps=6", "lora.r=4", "checkpoint.every=2")
+    train_sft(cfg, stop_at_step=5)  # killed after step 5: checkpoints of steps 2 and 4
+    assert [s for s, _ in list_checkpoints(cfg.output_dir)] == [2, 4]
+    newer = list_checkpoints(cfg.output_dir)[-1][1]
+    state = newer / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # torn by a full disk or an interrupted copy
+    with caplog.at_level("WARNING", logger="tracegym.train.checkpoint"):
+        resumed = train_sft(cfg, resume=True)
+    assert str(state) in caplog.text
+    assert [r["step"] for r in resumed.history] == [3, 4, 5, 6] and resumed.final_dir is not None

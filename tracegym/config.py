@@ -167,6 +167,11 @@ class SFTDataConfig(_Section):
     shuffle: bool = True
     """Shuffle examples every epoch (the order is a pure function of ``seed`` and the epoch)."""
 
+    on_bad_line: Literal["skip", "error"] = "skip"
+    """A line of a trajectory file that is torn, not JSON, or not a trajectory: ``skip`` leaves it out
+    with a warning naming ``file:line`` (counted in ``data/bad_lines``); ``error`` stops with an
+    error naming ``file:line``."""
+
 
 class SFTConfig(_Section):
     """Supervised fine-tuning on recorded trajectories (``tracegym sft``)."""
@@ -297,10 +302,12 @@ class RLRolloutConfig(_Section):
 
 class AdvantageConfig(_Section):
     estimator: str = "grpo"
-    """Advantage estimator registered in ``tracegym.algos`` (e.g. grpo, rloo, reinforce)."""
+    """Advantage estimator registered in ``tracegym.algos``: grpo, dr_grpo, rloo, reinforce,
+    turn_rloo (per-turn rewards-to-go, leave-one-out baseline) or a plugin's. It returns one
+    advantage per assistant turn of every trajectory."""
 
     options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword options of the estimator (e.g. ``normalize_std: false`` for Dr. GRPO)."""
+    """Options of the estimator, validated by its options model (e.g. ``gamma: 0.9`` for turn_rloo)."""
 
 
 class RLEvalConfig(_Section):
@@ -352,9 +359,12 @@ class RLConfig(_Section):
     """How episode rewards become advantages."""
 
     policy_loss: dict[str, Any] = Field(default_factory=dict)
-    """Options of the policy loss, validated by ``tracegym.algos.config.PolicyLossConfig`` when the
-    recipe starts: ``loss`` (ppo_clip, gspo, policy_gradient), clip ranges, ``aggregation``,
-    ``kl_coef`` (KL to the reference policy; 0 skips the reference model), ``tis_cap``, ... ."""
+    """The policy loss, validated by ``tracegym.algos.config.PolicyLossConfig`` before anything loads:
+    the common keys ``loss`` (ppo_clip, gspo, policy_gradient or a plugin's), ``aggregation``
+    (token_mean, sequence_mean, sequence_sum, fixed_length_sum), ``fixed_length``, ``kl_coef`` (KL to
+    the reference policy; 0 skips the reference model), ``kl_estimator``, ``kl_penalty``,
+    ``entropy_coef``, ``tis_cap``, ``log_ratio_limit``, plus the chosen loss's own options (ppo_clip:
+    ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``, ``entropy_clip*``; gspo: clip ranges)."""
 
     preset: Literal["grpo", "dr_grpo", "dapo", "gspo"] | None = None
     """Named method whose settings differ from the defaults; keys you set yourself win over it.

@@ -28,7 +28,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
 
-__all__ = ["ALGOS_ENTRY_POINT_GROUP", "PluginError", "is_plugin_path", "load_entry_points", "load_plugins", "resolve_plugin"]
+__all__ = [
+    "ALGOS_ENTRY_POINT_GROUP",
+    "PluginError",
+    "is_plugin_path",
+    "load_entry_points",
+    "load_plugins",
+    "resolve_plugin",
+]
 
 ALGOS_ENTRY_POINT_GROUP = "tracegym.algos"
 
@@ -90,9 +97,9 @@ def _load_file(item: str, path: Path) -> ModuleType:
     if existing is not None and getattr(existing, "__file__", None) and Path(existing.__file__).resolve() == path:
         _loaded_files[path] = existing  # already imported under its own name
         return existing
-    if not name.isidentifier() or existing is not None:
-        name = f"tracegym_plugin_{''.join(c if c.isalnum() else '_' for c in path.stem)}_" \
-               f"{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if not name.isidentifier() or existing is not None:  # a name taken by another module: a unique one
+        stem = "".join(c if c.isalnum() else "_" for c in path.stem)
+        name = f"tracegym_plugin_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin {item!r}: cannot import {path}")

@@ -249,31 +249,46 @@ def write_jsonl(path: str | Path, items: Iterable[BaseModel], append: bool = Fal
     return n
 
 
-def read_json_rows(path: str | Path, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
-    """The JSON-object lines of a JSONL file, and how many lines were unreadable.
+def read_json_rows_numbered(
+    path: str | Path, limit: int | None = None
+) -> tuple[list[tuple[int, dict[str, Any]]], list[tuple[int, str]]]:
+    """The JSON-object lines of a JSONL file as (line number, object), and the unreadable lines as
+    (line number, reason). Line numbers start at 1 and count blank lines, as an editor shows them.
 
-    A torn line (a crash mid-write) or a line that is not a JSON object is counted and skipped, never
-    fatal: every reader of tracegym's JSONL files (trajectories, examples, metrics) goes through here.
+    Unreadable: a torn line (a crash mid-write, invalid UTF-8 included), invalid JSON, or JSON that
+    is not an object. ``limit`` stops after that many objects.
     """
-    rows: list[dict[str, Any]] = []
-    bad = 0
+    rows: list[tuple[int, dict[str, Any]]] = []
+    problems: list[tuple[int, str]] = []
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             line = line.strip()
             if not line:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
+            except json.JSONDecodeError as exc:
+                torn = "" if line.endswith("}") else " (torn line?)"
+                problems.append((number, f"not valid JSON{torn}: {exc.msg} at column {exc.colno}"))
                 continue
             if isinstance(row, dict):
-                rows.append(row)
+                rows.append((number, row))
             else:
-                bad += 1
+                problems.append((number, f"not a JSON object but {type(row).__name__}"))
             if limit is not None and len(rows) >= limit:
                 break
-    return rows, bad
+    return rows, problems
+
+
+def read_json_rows(path: str | Path, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The JSON-object lines of a JSONL file, and how many lines were unreadable.
+
+    A torn line (a crash mid-write) or a line that is not a JSON object is counted and skipped, never
+    fatal: every reader of tracegym's JSONL files (trajectories, examples, metrics) goes through here.
+    :func:`read_json_rows_numbered` says which lines and why.
+    """
+    rows, problems = read_json_rows_numbered(path, limit)
+    return [row for _, row in rows], len(problems)
 
 
 def read_jsonl(path: str | Path, cls: type[BaseModel]) -> Iterator[Any]:

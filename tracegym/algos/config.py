@@ -110,9 +110,10 @@ COMMON_KEYS: tuple[str, ...] = tuple(PolicyLossCommon.model_fields)
 
 
 def _loss_model(name: Any, keys: Any = ()) -> tuple[str | None, type[BaseModel] | None]:
-    """The options model of loss ``name``. For an unknown name (reported by the ``loss`` field), the
-    registered loss whose options know most of ``keys`` (ties: one whose name contains the given one, then the nearest name), so the values of
-    those keys are still checked; ``(None, None)`` when no loss knows any of them."""
+    """The options model of loss ``name``. For an unknown name (reported by the ``loss`` field), that
+    of the registered loss whose options know most of ``keys`` (ties: a name containing the given
+    one, then the nearest name), so the values of those keys are still checked; ``(None, None)``
+    when no loss knows any of them."""
     if isinstance(name, str) and name in POLICY_LOSSES:
         return name, POLICY_LOSSES.options(name)
     keys = set(keys)

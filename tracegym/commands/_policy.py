@@ -97,7 +97,7 @@ def check_env_args(args: argparse.Namespace) -> None:
     try:
         check_env_options(args.env, dict(args.env_option))
     except (ValueError, TypeError, ImportError) as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(f"cannot make env {args.env!r}: {exc}") from exc
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:

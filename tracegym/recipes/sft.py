@@ -6,6 +6,8 @@ What it does, top to bottom:
 2. Read trajectory JSONL files (written by the rollout runner, e.g. scripted expert runs), keep the
    successful ones (optional reward floor), and turn each into ``TrainingExample``s with the
    renderer: the exact token ids the engine saw and sampled, loss mask 1 only on generated tokens.
+   A bad line (torn, not JSON, not a trajectory) is skipped with a warning naming ``file:line`` and
+   counted (``data/bad_lines``), or stops the run naming it (``data.on_bad_line: error``).
 3. Each optimizer step takes ``batch_size`` examples in a seeded order (a pure function of the seed
    and the epoch), splits them into micro-batches, and accumulates gradients of the masked,
    weighted negative log-likelihood normalised by the loss tokens of the whole batch::
@@ -24,6 +26,7 @@ What it does, top to bottom:
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,7 @@ import torch
 from tracegym.algos.sft import sft_loss
 from tracegym.batch import make_batch, split_microbatches
 from tracegym.config import SFTConfig, dump_config
-from tracegym.data.store import read_trajectories
+from tracegym.data.store import read_trajectories_checked
 from tracegym.render import BuildStats, get_renderer
 from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -44,6 +47,10 @@ from tracegym.train.lora import count_parameters, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrainingExample
+
+log = logging.getLogger(__name__)
+
+_MAX_LISTED_BAD_LINES = 20  # per file; the summary warning gives the total
 
 
 @dataclass
@@ -68,15 +75,29 @@ def load_sft_examples(
     max_length: int,
     only_successful: bool = True,
     min_reward: float | None = None,
+    on_bad_line: str = "skip",
 ) -> SFTData:
-    """Read trajectories, filter them, build examples; examples longer than ``max_length`` are dropped."""
-    counts = {"trajectories": 0, "kept_trajectories": 0, "examples": 0, "dropped_too_long": 0, "loss_tokens": 0}
+    """Read trajectories, filter them, build examples; examples longer than ``max_length`` are dropped.
+
+    A bad line of a file (torn, not JSON, or not a trajectory) is left out with a warning naming
+    ``file:line`` and counted in ``counts["bad_lines"]`` (``on_bad_line="skip"``), or raises
+    ``tracegym.data.store.BadLineError`` naming ``file:line`` (``"error"``).
+    """
+    counts = {"trajectories": 0, "kept_trajectories": 0, "examples": 0, "dropped_too_long": 0, "loss_tokens": 0,
+              "bad_lines": 0}
     stats = BuildStats()
     examples: list[TrainingExample] = []
     for file in files:
         if not Path(file).is_file():
             raise FileNotFoundError(f"trajectory file not found: {file}")
-        for trajectory in read_trajectories(file):
+        trajectories, bad_lines = read_trajectories_checked(file, on_bad_line)  # type: ignore[arg-type]
+        for problem in bad_lines[:_MAX_LISTED_BAD_LINES]:
+            log.warning("skipping bad line %s", problem)
+        if bad_lines:
+            log.warning("%s: skipped %d bad line(s) of %d (data.on_bad_line: error stops at the first instead)",
+                        file, len(bad_lines), len(bad_lines) + len(trajectories))
+        counts["bad_lines"] += len(bad_lines)
+        for trajectory in trajectories:
             counts["trajectories"] += 1
             if only_successful and not trajectory.success:
                 continue
@@ -181,7 +202,7 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
     # -- data ------------------------------------------------------------------------------------
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
     d = cfg.data
-    train = load_sft_examples(d.train_files, renderer, cfg.max_length, d.only_successful, d.min_reward)
+    train = load_sft_examples(d.train_files, renderer, cfg.max_length, d.only_successful, d.min_reward, d.on_bad_line)
     examples = train.examples[: d.max_examples] if d.max_examples else train.examples
     if len(examples) < cfg.batch_size:
         raise ValueError(
@@ -189,7 +210,8 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
         )
     eval_examples = []
     if d.eval_files:
-        eval_examples = load_sft_examples(d.eval_files, renderer, cfg.max_length, d.only_successful, d.min_reward).examples
+        eval_examples = load_sft_examples(d.eval_files, renderer, cfg.max_length, d.only_successful, d.min_reward,
+                                          d.on_bad_line).examples
     steps_per_epoch = len(examples) // cfg.batch_size  # the last partial batch of an epoch is skipped
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     data_digest = _digest(examples)

@@ -5,13 +5,23 @@ Layout of a run directory::
     <run_dir>/checkpoints/step_000010/
         model/                 Hugging Face format: the peft adapter, or the whole model (safetensors)
         training_state.pt      optimizer, scheduler, RNG states (python, numpy, torch), step, recipe state
-        meta.json              step, time, format version, what the model folder holds
+        meta.json              step, time, format version, what the model folder holds, and the
+                               manifest: size and sha256 of every other file
 
 A checkpoint is written into a hidden temporary folder, every file is fsync'd, and the folder is
 renamed into place with ``os.replace``: a crash at any point leaves either the complete new
 checkpoint or none, never a half-written one under a ``step_*`` name. Old checkpoints are deleted
 the same way in reverse (renamed to a hidden name first, then removed), so ``latest_checkpoint``
 never picks a partial folder.
+
+Checkpoints are verified before they are trusted: every file against the manifest (size, then
+sha256), and, for checkpoints written before the manifest existed, the structure of each file (a
+safetensors header that promises more bytes than the file has, a ``.pt`` zip archive without its
+central directory: both are what a truncated copy looks like). ``latest_checkpoint`` skips a corrupt
+checkpoint with a warning naming the file and returns the newest intact one; when checkpoints exist
+but none is intact it raises :class:`CorruptCheckpointError` naming the files (a resume never
+silently starts from scratch). ``load_checkpoint`` raises the same error, naming the file, when a
+file cannot be read; ``load_latest_intact`` loads the newest checkpoint that verifies *and* loads.
 
 The recipe's own state (data cursor: epoch, position, shuffle seed; a replay buffer; counters) goes
 in ``state``. It must be made of tensors, numbers, strings, lists, tuples and dicts, so it loads with
@@ -21,12 +31,16 @@ objects as ``model_dump(mode="json")``.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import struct
 import time
 import uuid
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +56,18 @@ STATE_FILE = "training_state.pt"
 META_FILE = "meta.json"
 MODEL_DIR = "model"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 1 << 22
+
+log = logging.getLogger(__name__)
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint (or every checkpoint of a run) whose files are missing, truncated, altered or
+    unreadable. ``problems`` holds one line per bad file, each starting with the file's path."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        self.problems = list(problems or [])
+        super().__init__(message)
 
 
 @dataclass
@@ -91,6 +117,108 @@ def _remove_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """{path relative to ``folder`` (posix): {"size", "sha256"}} of every file but meta.json."""
+    files = {}
+    for file in sorted(folder.rglob("*")):
+        if file.is_file() and file.name != META_FILE:
+            files[file.relative_to(folder).as_posix()] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+    return files
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file is unusable (header unreadable, data shorter than the header says), or None."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors header (truncated?)"
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            return f"safetensors header of {length} bytes but the file has {size} bytes (truncated?)"
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as exc:
+            return f"unreadable safetensors header ({exc})"
+    if not isinstance(header, dict):
+        return "unreadable safetensors header (not a JSON object)"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+            return f"unreadable safetensors header (tensor {name!r} has no data_offsets)"
+        end = max(end, offsets[1])
+    if 8 + length + end > size:
+        return f"{size} bytes but its tensors need {8 + length + end} (truncated?)"
+    return None
+
+
+def _zip_problem(file: Path) -> str | None:
+    """Why a ``torch.save`` file (a zip archive) is unusable, or None."""
+    size = file.stat().st_size
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"{size} bytes, shorter than its member {info.filename} needs (truncated?)"
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        return f"not a readable torch archive, {size} bytes ({exc}; truncated?)"
+    return None
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> list[str]:
+    """What is wrong with a checkpoint folder: one line per bad file, starting with its path; [] if intact.
+
+    Files listed in meta.json's manifest must have their recorded size and (``check_hashes``) sha256.
+    Every safetensors and ``.pt`` file is also checked for structure, which catches truncation in
+    checkpoints written before the manifest existed.
+    """
+    path = Path(path)
+    problems: list[str] = []
+    meta_file = path / META_FILE
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return [f"{meta_file}: unreadable ({exc})"]
+    manifest = meta.get("files")
+    if isinstance(manifest, dict):
+        for name, expected in manifest.items():
+            file = path / name
+            if not file.is_file():
+                problems.append(f"{file}: missing")
+                continue
+            size = file.stat().st_size
+            if isinstance(expected, dict) and "size" in expected and size != expected["size"]:
+                problems.append(f"{file}: {size} bytes, expected {expected['size']} (truncated?)")
+            elif check_hashes and isinstance(expected, dict) and expected.get("sha256") and _sha256(file) != expected["sha256"]:
+                problems.append(f"{file}: sha256 differs from the one recorded when it was saved (corrupted)")
+    if not (path / STATE_FILE).is_file():
+        problems.append(f"{path / STATE_FILE}: missing")
+    weights = sorted((path / MODEL_DIR).glob("*.safetensors")) if (path / MODEL_DIR).is_dir() else []
+    if not weights:
+        problems.append(f"{path / MODEL_DIR}: no .safetensors weights")
+    already = {p.split(": ", 1)[0] for p in problems}
+    for file in [*weights, *sorted(path.glob("*.pt"))]:
+        if str(file) in already or not file.is_file():
+            continue
+        problem = _safetensors_problem(file) if file.suffix == ".safetensors" else _zip_problem(file)
+        if problem:
+            problems.append(f"{file}: {problem}")
+    return problems
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of a run, oldest first, as (step, path)."""
     root = Path(run_dir) / CHECKPOINTS
@@ -106,10 +234,64 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The most recent complete checkpoint of a run, or None."""
+def latest_checkpoint(run_dir: str | Path, verify: bool = True) -> Path | None:
+    """The most recent intact checkpoint of a run, or None when the run has no checkpoint.
+
+    With ``verify`` (the default) each candidate, newest first, is checked with
+    :func:`verify_checkpoint`; a corrupt one is skipped with a warning naming its bad file(s). When
+    there are checkpoints but none is intact, :class:`CorruptCheckpointError` names every bad file.
+    ``verify=False``: the newest complete folder, unchecked (the old behaviour).
+    """
     found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    if not found:
+        return None
+    if not verify:
+        return found[-1][1]
+    problems: list[str] = []
+    for _, path in reversed(found):
+        bad = verify_checkpoint(path)
+        if not bad:
+            return path
+        problems.extend(bad)
+        log.warning("checkpoint %s is corrupt, trying an older one: %s", path, "; ".join(bad))
+    raise _none_intact(run_dir, problems)
+
+
+def _none_intact(run_dir: str | Path, problems: list[str]) -> CorruptCheckpointError:
+    listing = "\n  ".join(problems)
+    return CorruptCheckpointError(
+        f"no intact checkpoint in {Path(run_dir) / CHECKPOINTS}; not starting from scratch. Bad files:\n  {listing}\n"
+        "Restore or delete the bad checkpoint folders (or train into a new output_dir) to go on.",
+        problems,
+    )
+
+
+def load_latest_intact(
+    run_dir: str | Path,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+) -> Checkpoint | None:
+    """Load the newest checkpoint of ``run_dir`` that verifies and loads (see :func:`load_checkpoint`);
+    a corrupt one is skipped with a warning naming the bad file. None when the run has no checkpoint;
+    :class:`CorruptCheckpointError` (naming the files) when it has some but none loads.
+
+    (A mismatch between the checkpoint and the objects passed, e.g. another model, is not corruption:
+    its ``ValueError`` propagates.)
+    """
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    problems: list[str] = []
+    for _, path in reversed(found):
+        try:
+            return load_checkpoint(path, model, optimizer, scheduler, restore_rng=restore_rng)
+        except CorruptCheckpointError as exc:
+            bad = exc.problems or [str(exc)]
+            problems.extend(bad)
+            log.warning("checkpoint %s is corrupt, trying an older one: %s", path, "; ".join(bad))
+    raise _none_intact(run_dir, problems)
 
 
 def save_checkpoint(
@@ -152,6 +334,7 @@ def save_checkpoint(
             "step": step,
             "time": time.time(),
             "model": "peft_adapter" if is_peft_model(model) else "full",
+            "files": _manifest(tmp),  # read back by verify_checkpoint; older checkpoints lack it
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         _fsync_tree(tmp)
@@ -166,7 +349,9 @@ def save_checkpoint(
     if keep_last is not None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        for _, old in list_checkpoints(run_dir)[:-keep_last]:
+        # Checkpoints of later steps than this one exist only when a resume fell back past corrupt
+        # ones: they neither count nor push this fresh checkpoint out (saving their step replaces them).
+        for _, old in [c for c in list_checkpoints(run_dir) if c[0] <= step][:-keep_last]:
             _remove_dir(old)
         _fsync_dir(root)
     return final
@@ -178,24 +363,50 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> Checkpoint:
     """Restore what was saved into the given objects (those passed) and return step and state.
 
     ``path`` is a checkpoint folder (``latest_checkpoint(run_dir)``). The model must be built the
     same way as when it was saved (same base model, same LoRA config); its weights are overwritten.
+    A checkpoint whose files fail :func:`verify_checkpoint` (``verify``) or cannot be read raises
+    :class:`CorruptCheckpointError` naming the file, before anything is restored when the check
+    catches it.
     """
     path = Path(path)
     if not (path / STATE_FILE).is_file() or not (path / META_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE} or {META_FILE})")
-    meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-    saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    if verify:
+        problems = verify_checkpoint(path)
+        if problems:
+            raise CorruptCheckpointError(f"corrupt checkpoint {path}: " + "; ".join(problems), problems)
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        problem = f"{path / META_FILE}: unreadable ({exc})"
+        raise CorruptCheckpointError(f"corrupt checkpoint {path}: {problem}", [problem]) from exc
+    try:
+        saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle stream...: the file, not the caller, is wrong
+        problem = f"{path / STATE_FILE}: cannot be read ({type(exc).__name__}: {exc})"
+        raise CorruptCheckpointError(f"corrupt checkpoint {path}: {problem}", [problem]) from exc
+    if not isinstance(saved, dict):
+        problem = f"{path / STATE_FILE}: holds a {type(saved).__name__}, not a training state"
+        raise CorruptCheckpointError(f"corrupt checkpoint {path}: {problem}", [problem])
     if saved.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {saved.get('format_version')}, expected {FORMAT_VERSION}")
     if model is not None:
         kind = "peft_adapter" if is_peft_model(model) else "full"
         if meta.get("model") != kind:
             raise ValueError(f"{path} holds a {meta.get('model')} checkpoint but the model is {kind}")
-        load_weights(model, path / MODEL_DIR)
+        try:
+            load_weights(model, path / MODEL_DIR)
+        except Exception as exc:
+            if not _is_read_error(exc):
+                raise  # a model that does not fit the weights: the caller's mistake, said as is
+            files = ", ".join(str(f) for f in sorted((path / MODEL_DIR).glob("*.safetensors"))) or str(path / MODEL_DIR)
+            problem = f"{files}: cannot be read ({type(exc).__name__}: {exc})"
+            raise CorruptCheckpointError(f"corrupt checkpoint {path}: {problem}", [problem]) from exc
     if optimizer is not None:
         if saved["optimizer"] is None:
             raise ValueError(f"{path} has no optimizer state")
@@ -207,6 +418,13 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(saved["rng"])
     return Checkpoint(path=path, step=int(saved["step"]), state=saved["state"], meta=meta)
+
+
+def _is_read_error(exc: BaseException) -> bool:
+    """An error from reading weight files (I/O, safetensors' own error), not from fitting them to a model."""
+    if isinstance(exc, (OSError, EOFError)):  # FileNotFoundError included: a weight file is missing
+        return True
+    return type(exc).__name__ == "SafetensorError"
 
 
 def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
