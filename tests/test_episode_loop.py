@@ -165,8 +165,10 @@ def test_policy_failures_are_engine_errors() -> None:
     async def bad_logprobs(obs: Observation) -> Action:
         return Action(message=Message(role="assistant"), tokens=TokenData((1,), (1, 2), completion_logprobs=(-1.0,)))
 
-    t = play(Counter(), bad_logprobs)
+    env = Counter()
+    t = play(env, bad_logprobs)
     assert t.end_reason == "engine_error" and "1 log-probs for 2 completion tokens" in t.error and t.turns == ()
+    assert env.steps == 0  # a malformed action never reaches the env
 
     def broken_factory(env: Env) -> Any:
         raise KeyError("no policy")

@@ -140,7 +140,7 @@ def test_a_process_with_a_tool_that_never_returns_exits(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "RESULT Error: tool 'sleepy' timed out after 0.5 s." in done.stdout
     assert out.read_text() == "Error: tool 'sleepy' timed out after 0.5 s."
-    assert elapsed < 4.0, f"the process lingered {elapsed:.1f} s after a 0.5 s tool timeout"
+    assert elapsed < 5.0, f"the process lingered {elapsed:.1f} s after a 0.5 s tool timeout"
 
 
 def test_a_huge_tool_output_is_cut_with_a_marker_and_counted() -> None:

@@ -234,10 +234,6 @@ def _turn(action: Action, step: StepResult, reward: float, state_key: str) -> Tu
     tokens = action.tokens
     assert tokens is not None
     logprobs = tuple(float(x) for x in tokens.completion_logprobs) if tokens.completion_logprobs is not None else None
-    if logprobs is not None and len(logprobs) != len(tokens.completion_ids):
-        raise PolicyError(
-            f"policy gave {len(logprobs)} log-probs for {len(tokens.completion_ids)} completion tokens"
-        )
     return Turn(
         prompt_ids=tuple(tokens.prompt_ids),
         completion_ids=tuple(tokens.completion_ids),
@@ -291,10 +287,18 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
             with_tokens = has_tokens
         elif has_tokens != with_tokens:
             return st.end("engine_error", "policy mixed token and message-only actions in one episode")
+        tokens = action.tokens
+        if tokens is not None and tokens.completion_logprobs is not None:
+            if len(tokens.completion_logprobs) != len(tokens.completion_ids):
+                return st.end(
+                    "engine_error",
+                    f"policy gave {len(tokens.completion_logprobs)} log-probs for "
+                    f"{len(tokens.completion_ids)} completion tokens",
+                )
         st.messages.append(action.message)
         st.assistant_turns += 1
-        if action.tokens is not None:
-            st.generated += len(action.tokens.completion_ids)
+        if tokens is not None:
+            st.generated += len(tokens.completion_ids)
         try:
             step = await env.step(action.message, tuple(action.parse_errors))
         except Exception as exc:  # noqa: BLE001
@@ -306,7 +310,7 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
             return st.end(
                 "env_error", f"task {task.id}: step {st.assistant_turns} returned a non-finite reward {reward!r}"
             )
-        if action.tokens is not None:
+        if tokens is not None:
             try:
                 st.turns.append(_turn(action, step, reward, key))
             except Exception as exc:  # noqa: BLE001 - malformed token data is the policy's fault
