@@ -132,6 +132,10 @@ class Registry(Generic[F]):
         return decorator
 
     def entry(self, name: str) -> Entry[F]:
+        if name not in self._items:  # installed packages' ``tracegym.algos`` entry points, imported once
+            from tracegym.plugins import load_entry_points
+
+            load_entry_points()
         try:
             return self._items[name]
         except KeyError:

@@ -282,14 +282,16 @@ class CalculatorEnv(ToolEnv):
     reward_range = (0.0, 1.0)
 
     def __init__(
-        self, num_calls: int | Sequence[int] | str = (1, 4), max_turns: int | None = None, test_fraction: float = 0.2
+        self, num_calls: int | Sequence[int] | str = (1, 4), max_turns: int | None = None, test_fraction: float = 0.2,
+        max_tool_output_chars: int | None = None,
     ) -> None:
         self.min_calls, self.max_calls = _parse_range(num_calls)
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.test_fraction = test_fraction
         # Room for every call plus the answer, and a few mistakes.
-        super().__init__(max_turns=max_turns if max_turns is not None else self.max_calls + 4)
+        super().__init__(max_turns=max_turns if max_turns is not None else self.max_calls + 4,
+                         max_tool_output_chars=max_tool_output_chars)
         self.task: Task | None = None
         self.results: list[str] = []  # the tool results of this episode, in order (the expert reads them)
 

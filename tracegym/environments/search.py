@@ -257,8 +257,9 @@ class SearchEnv(ToolEnv):
         corpus_seed: int = 0,
         page_chars: int = 1500,
         max_turns: int | None = None,
+        max_tool_output_chars: int | None = None,
     ) -> None:
-        super().__init__(max_turns=max_turns)
+        super().__init__(max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
         self.hops = parse_hops(hops)
         if not isinstance(corpus_size, int) or corpus_size < 100:
             raise ValueError(f"corpus_size must be an int >= 100, got {corpus_size!r}")

@@ -344,8 +344,8 @@ class ServiceEnv(ToolEnv):
     default_max_turns = 30
 
     def __init__(self, kinds: list[str] | tuple[str, ...] | None = None, require_confirmation: bool = True,
-                 max_turns: int | None = None) -> None:
-        super().__init__(max_turns=max_turns)
+                 max_turns: int | None = None, max_tool_output_chars: int | None = None) -> None:
+        super().__init__(max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
         chosen = tuple(kinds) if kinds is not None else KINDS
         unknown = [k for k in chosen if k not in KINDS]
         if unknown or not chosen:

@@ -27,6 +27,10 @@ from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, SFTC
 class DemoConfig(_Section):
     """What the demo runs. Defaults are sized for a 2-core CPU (about 20 minutes in all)."""
 
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules imported before this config is validated (a module name, or a ``.py`` path
+    relative to the config file): they register envs and algorithms (``--plugin`` adds more)."""
+
     model: str = "smollm2-135m"
     """Model to start from (a known name or a local Hugging Face folder)."""
 

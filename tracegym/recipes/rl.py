@@ -51,7 +51,7 @@ from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
-from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
+from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters, is_peft_model, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler
@@ -250,12 +250,12 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps * cfg.ppo_epochs)
 
     step, cursor = 0, 0  # cursor: task slots consumed so far (more than steps x tasks_per_step with resampling)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        restored = load_checkpoint(checkpoint, model, optimizer, scheduler)
+    # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
+    restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
+    if restored is not None:
         saved = restored.state.get("tasks", {})
         if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
-            raise ValueError(f"{checkpoint} was trained on other tasks (seed or count differ); cannot resume on this config")
+            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
         step = restored.step
         cursor = int(restored.state.get("task_cursor", step * cfg.tasks_per_step))
         sampler.update_weights(model)
