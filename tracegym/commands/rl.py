@@ -41,8 +41,10 @@ def check_policy_loss(options: dict) -> None:
 
 
 def check_config(cfg: object) -> None:
-    """Sections ``RLConfig`` cannot validate alone: ``policy_loss`` and ``env`` (its name and options,
-    read from the env factory's signature). Raises one ``ConfigError`` listing every problem."""
+    """Sections ``RLConfig`` cannot validate alone: ``policy_loss``, ``advantage`` (the estimator's
+    options model) and ``env`` (its name and options, read from the env factory's signature). Raises
+    one ``ConfigError`` listing every problem."""
+    from tracegym.algos import estimator_problems
     from tracegym.commands._config import check_env_config
     from tracegym.config import ConfigError
 
@@ -52,6 +54,7 @@ def check_config(cfg: object) -> None:
     except ConfigError as exc:
         problems.extend(exc.problems)
     problems.extend(check_env_config(cfg.env.name, cfg.env.options))  # type: ignore[attr-defined]
+    problems.extend(estimator_problems(cfg.advantage.estimator, cfg.advantage.options))  # type: ignore[attr-defined]
     if problems:
         raise ConfigError(problems)
 
