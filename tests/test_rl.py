@@ -420,3 +420,10 @@ def test_bad_policy_loss_value_exits_2(tmp_path, capsys):
     assert main(["rl", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "'policy_loss.loss'" in err and "ppo_clip" in err and "'policy_loss.clip_eps_low'" in err, err
+
+
+def test_an_engine_without_sampled_logprobs_is_refused(tmp_path):
+    cfg = _config(tmp_path / "run", "rollout.engine=openai", "rollout.engine_options={base_url: 'http://127.0.0.1:9/v1'}",
+                  "eval.at_start=false")
+    with pytest.raises(ValueError, match="does not return the log-probs"):
+        train_rl(cfg)

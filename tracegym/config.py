@@ -36,6 +36,7 @@ __all__ = [
     "SFTConfig",
     "EnvConfig",
     "TasksConfig",
+    "RolloutSettings",
     "RLRolloutConfig",
     "AdvantageConfig",
     "RLEvalConfig",
@@ -258,16 +259,11 @@ class TasksConfig(_Section):
     """Seed of the task draw (the same seed gives the same tasks)."""
 
 
-class RLRolloutConfig(_Section):
-    """Sampling and episode limits. Apart from ``engine``/``engine_options`` the names are those of
-    ``tracegym.rollout.RolloutConfig``, so the recipe builds it with ``model_dump(exclude=...)``
-    plus ``samples_per_task=group_size`` and ``seed``."""
+class RolloutSettings(BaseModel):
+    """Episode limits and sampling shared by ``RLConfig.rollout`` (``RLRolloutConfig``) and
+    ``tracegym.rollout.RolloutConfig``; each subclass sets its own model config."""
 
-    engine: Literal["hf", "vllm", "openai"] = "hf"
-    """Inference engine for sampling: hf (CPU, in-process), vllm (GPU), openai (HTTP server)."""
-
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword options for the engine (base_url, gpu_memory_utilization, ...)."""
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_turns: int = Field(4, gt=0)
     """Turn limit T: assistant turns per episode before it is cut (end reason ``max_turns``)."""
@@ -282,10 +278,10 @@ class RLRolloutConfig(_Section):
     """Context window: prompt + completion never exceed it (end reason ``context``)."""
 
     episode_timeout_s: float | None = Field(None, gt=0)
-    """Wall-clock limit of one episode in seconds (end reason ``timeout``)."""
+    """Wall-clock limit of one episode in seconds, waiting for the model included (end reason ``timeout``)."""
 
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature for training rollouts (1.0 keeps engine and trainer log-probs comparable)."""
+    """Sampling temperature (0: greedy)."""
 
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold (1.0: off)."""
@@ -294,10 +290,27 @@ class RLRolloutConfig(_Section):
     """Episodes alive at once (also the largest generate batch)."""
 
     on_env_error: Literal["exclude", "zero_reward"] = "exclude"
-    """Failed episodes (env error, timeout, engine error): left out of the update, or kept with reward 0."""
+    """Failed episodes (env error, timeout, engine error): left out of the result (and so of the
+    update), or kept with reward 0."""
 
     measure_logprob_gap: bool = False
-    """Re-score sampled tokens with the trainer and log mean/max |engine - trainer| log-prob gap."""
+    """After the run, re-score the sampled tokens with a teacher-forced forward pass of the engine's
+    model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
+
+
+class RLRolloutConfig(_Section, RolloutSettings):
+    """Sampling and episode limits. Apart from ``engine``/``engine_options`` the names are those of
+    ``tracegym.rollout.RolloutConfig`` (both inherit ``RolloutSettings``), so the recipe builds it
+    with ``model_dump(exclude=...)`` plus ``samples_per_task=group_size`` and ``seed``."""
+
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature for training rollouts (1.0 keeps engine and trainer log-probs comparable)."""
+
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    """Inference engine for sampling: hf (CPU, in-process), vllm (GPU), openai (HTTP server)."""
+
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options for the engine (base_url, gpu_memory_utilization, ...)."""
 
 
 class AdvantageConfig(_Section):

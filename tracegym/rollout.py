@@ -48,8 +48,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from tracegym.config import RolloutSettings
 from tracegym.envs.base import Env, Task
 from tracegym.envs.episode import (
     FAILED_END_REASONS,
@@ -75,37 +76,17 @@ __all__ = [
 ]
 
 
-class RolloutConfig(BaseModel):
-    """Limits and sampling of a rollout run."""
+class RolloutConfig(RolloutSettings):
+    """Limits and sampling of a rollout run: ``RolloutSettings`` plus the seed, the group size and
+    the batcher's wait."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    max_turns: int = Field(4, gt=0)
-    """Turn limit T: assistant turns per episode (end reason ``max_turns``)."""
-    max_tokens_per_turn: int = Field(256, gt=0)
-    """Most tokens sampled in one assistant turn."""
-    max_tokens_per_episode: int | None = Field(None, gt=0)
-    """Generated-token budget of one episode (end reason ``max_tokens``); None: no budget."""
-    max_context: int | None = Field(2048, gt=0)
-    """Context window: prompt + completion never exceed it (end reason ``context``)."""
-    episode_timeout_s: float | None = Field(None, gt=0)
-    """Wall-clock limit of one episode, waiting for the model included (end reason ``timeout``)."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature (0: greedy)."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold (1: off)."""
     seed: int | None = 0
     """Seed of the engine's sampler; each generate call gets a seed derived from it and the call
     index. None: not seeded."""
     samples_per_task: int = Field(1, gt=0)
     """Episodes K per task (a group, for GRPO-style advantages and pass@k)."""
-    concurrency: int = Field(64, gt=0)
-    """Episodes alive at once (also the largest generate batch)."""
-    on_env_error: Literal["exclude", "zero_reward"] = "exclude"
-    """Failed episodes (env error, timeout, engine error): left out of the result, or kept with reward 0."""
-    measure_logprob_gap: bool = False
-    """After the run, re-score the sampled tokens with a teacher-forced forward pass of the engine's
-    model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
     batch_wait_s: float = Field(0.05, ge=0)
     """How long the batcher waits for episodes still in env steps before calling the engine."""
 

@@ -9,6 +9,7 @@ register (envs, losses, estimators) are valid there.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -20,6 +21,19 @@ PLUGIN_HELP = ("import a module that registers envs or algorithms before anythin
 def add_plugin_argument(parser: argparse.ArgumentParser) -> None:
     """``--plugin MODULE`` (repeatable) on ``parser``; ``tracegym.cli`` imports them before the command runs."""
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, overrides_help: str, config_help: str = "run config (YAML, see examples/)",
+    config_required: bool = True, resume: bool = True,
+) -> None:
+    """The arguments of a config-driven command: ``--config``, ``KEY=VALUE`` overrides, ``--resume``, ``--print-config``, ``--plugin``."""
+    parser.add_argument("--config", "-c", required=config_required, metavar="FILE", help=config_help)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
+    if resume:
+        parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_plugin_argument(parser)
 
 
 def load_cli_plugins(args: argparse.Namespace) -> None:
@@ -117,3 +131,19 @@ def load_for_command(cls: type, args: argparse.Namespace, check: Callable[[Any],
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     return cfg
+
+
+def train_from_config(cls: type, args: argparse.Namespace, recipe: str, check: Callable[[Any], None] | None = None) -> Any | int:
+    """Run ``recipe`` (``"module:function"``, imported only once the config is valid) on the config
+    ``load_for_command`` gives, with ``--resume``: the run's result, or an exit code (2: bad config,
+    0: ``--print-config``, 1: a missing or existing path, or a bad value, printed)."""
+    cfg = load_for_command(cls, args, check=check)
+    if isinstance(cfg, int):
+        return cfg
+    module, _, name = recipe.partition(":")
+    train = getattr(importlib.import_module(module), name)
+    try:
+        return train(cfg, resume=args.resume)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from tracegym.commands._config import add_plugin_argument
+from tracegym.commands._config import add_config_arguments
 
 NAME = "demo"
 HELP = "The main job: evaluate base SmolLM2, SFT it on expert traces, RL it, evaluate each; report in runs/demo."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="DemoConfig overrides, VALUE parsed as YAML: rl_steps=16 output_dir=runs/demo2")
-    parser.add_argument("--config", "-c", metavar="FILE", help="optional YAML file of DemoConfig fields")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_plugin_argument(parser)
+    add_config_arguments(parser, "DemoConfig overrides, VALUE parsed as YAML: rl_steps=16 output_dir=runs/demo2",
+                         config_help="optional YAML file of DemoConfig fields", config_required=False, resume=False)
 
 
 def check_config(cfg: object) -> None:

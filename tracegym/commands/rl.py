@@ -9,23 +9,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from tracegym.commands._config import add_plugin_argument
+from tracegym.commands._config import add_config_arguments
 
 NAME = "rl"
 HELP = "Reinforcement learning (GRPO/RLOO/PPO-clip/GSPO, LoRA or full) in an environment, from a YAML config."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", required=True, metavar="FILE", help="run config (YAML, see examples/)")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE",
-        help="config overrides, VALUE parsed as YAML: steps=20 group_size=4 policy_loss.clip_eps_high=0.28",
+    add_config_arguments(
+        parser, "config overrides, VALUE parsed as YAML: steps=20 group_size=4 policy_loss.clip_eps_high=0.28"
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_plugin_argument(parser)
 
 
 def check_policy_loss(options: dict) -> None:
@@ -60,21 +54,13 @@ def check_config(cfg: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracegym.commands._config import load_for_command
+    from tracegym.commands._config import train_from_config
     from tracegym.config import RLConfig
 
     # a bad policy_loss option, env name or env option fails here, before any model loads
-    cfg = load_for_command(RLConfig, args, check=check_config)
-    if isinstance(cfg, int):
-        return cfg
-
-    from tracegym.recipes.rl import train_rl
-
-    try:
-        result = train_rl(cfg, resume=args.resume)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    result = train_from_config(RLConfig, args, "tracegym.recipes.rl:train_rl", check=check_config)
+    if isinstance(result, int):
+        return result
     last = result.history[-1] if result.history else {}
     shown = ", ".join(f"{k} {last[k]:.3f}" for k in ("reward/mean", "eval/pass@1") if k in last)
     print(f"rl done: {result.step} steps{', ' + shown if shown else ''}; model in {result.final_dir}; "

@@ -18,6 +18,7 @@ from typing import IO, Iterable, Iterator, Literal
 
 import pydantic
 
+from tracegym.closing import ClosesOnExit
 from tracegym.types import Trajectory, read_json_rows_numbered
 
 __all__ = ["BadLineError", "TrajectoryWriter", "read_trajectories", "read_trajectories_checked", "export_parquet"]
@@ -33,7 +34,7 @@ class BadLineError(ValueError):
         super().__init__(f"{path}:{line}: {reason}")
 
 
-class TrajectoryWriter:
+class TrajectoryWriter(ClosesOnExit):
     """Append trajectories to a JSONL file, one line each, flushed (and optionally fsynced) per row.
 
     Thread-safe (a lock around each line). Use as a context manager or call ``close``.
@@ -71,12 +72,6 @@ class TrajectoryWriter:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-
-    def __enter__(self) -> "TrajectoryWriter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TrajectoryWriter({str(self.path)!r}, count={self.count})"

@@ -17,7 +17,6 @@ order, one per turn, each built from the result the tool returned, then answers.
 from __future__ import annotations
 
 import ast
-import hashlib
 import math
 import operator
 import random
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tracegym.envs.base import Task
+from tracegym.envs.tasks import distinct_tasks
 from tracegym.envs.tools import ToolEnv, tool
 from tracegym.types import Message, ToolCall
 
@@ -165,6 +165,18 @@ def _add(chain: _Chain, sentence: str, template: str, value: int, unit: str) -> 
     chain.unit = unit
 
 
+def _take_or_add(rng: random.Random, chain: _Chain, take: bool, take_sentence: str, add_sentence: str) -> None:
+    """Append taking away a sizeable part of the value (when ``take`` and the value is >= 40), else
+    adding 101..999; ``{c}`` in the sentence is the amount, the unit stays."""
+    v = chain.value
+    if take and v >= 40:
+        c = rng.randint(max(11, v // 8), max(12, v * 2 // 3))
+        _add(chain, take_sentence.replace("{c}", str(c)), f"{{x}} - {c}", v - c, chain.unit)
+    else:
+        c = rng.randint(101, 999)
+        _add(chain, add_sentence.replace("{c}", str(c)), f"{{x}} + {c}", v + c, chain.unit)
+
+
 def _next_step(rng: random.Random, scene: _Scene, chain: _Chain, last: bool) -> None:
     """Append one dependent operation. Units move items -> groups -> money; quantities stay > 0."""
     v, p = chain.value, scene.pronoun
@@ -176,12 +188,9 @@ def _next_step(rng: random.Random, scene: _Scene, chain: _Chain, last: bool) -> 
     else:
         choices = ["spend", "earn", "split"]
     kind = rng.choice(choices)
-    if kind == "sell" and v >= 40:
-        c = rng.randint(max(11, v // 8), max(12, v * 2 // 3))
-        _add(chain, f"{p} {scene.sell} {c} {scene.item}.", f"{{x}} - {c}", v - c, "items")
-    elif kind in ("sell", "receive"):
-        c = rng.randint(101, 999)
-        _add(chain, f"{p} {scene.receive} {c} more {scene.item}.", f"{{x}} + {c}", v + c, "items")
+    if kind in ("sell", "receive"):
+        _take_or_add(rng, chain, kind == "sell", f"{p} {scene.sell} {{c}} {scene.item}.",
+                     f"{p} {scene.receive} {{c}} more {scene.item}.")
     elif kind == "group":
         k = rng.randint(6, 48)
         if v // k < 2:
@@ -202,12 +211,9 @@ def _next_step(rng: random.Random, scene: _Scene, chain: _Chain, last: bool) -> 
     elif kind == "group_items":
         c = rng.randint(13, 97)
         _add(chain, f"{p} then puts {c} {scene.item} into every one of the {scene.group}.", f"{{x}} * {c}", v * c, "items")
-    elif kind == "spend" and v >= 40:
-        c = rng.randint(max(11, v // 8), max(12, v * 2 // 3))
-        _add(chain, f"{p} spends {c} dollars of that money.", f"{{x}} - {c}", v - c, "money")
     elif kind in ("spend", "earn"):
-        c = rng.randint(101, 999)
-        _add(chain, f"{p} earns another {c} dollars.", f"{{x}} + {c}", v + c, "money")
+        _take_or_add(rng, chain, kind == "spend", f"{p} spends {{c}} dollars of that money.",
+                     f"{p} earns another {{c}} dollars.")
     else:  # split
         k = rng.randint(3, 17)
         _add(chain, f"{p} shares the money equally among {k} people, in whole dollars.", f"{{x}} // {k}", v // k, "money")
@@ -261,11 +267,6 @@ def _parse_range(num_calls: int | Sequence[int] | str) -> tuple[int, int]:
     return low, high
 
 
-def _split_of(content: str, test_fraction: float) -> str:
-    digest = int.from_bytes(hashlib.sha256(content.encode()).digest()[:8], "big")
-    return "test" if digest / 2**64 < test_fraction else "train"
-
-
 SYSTEM_PROMPT = (
     "You solve arithmetic word problems. You have a calculator tool, `calculate`, that evaluates an "
     "expression such as (37 * 24) - 129. Work step by step: make one calculator call per operation "
@@ -296,21 +297,11 @@ class CalculatorEnv(ToolEnv):
         self.results: list[str] = []  # the tool results of this episode, in order (the expert reads them)
 
     def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        rng = random.Random(f"calculator/{seed}/{self.min_calls}/{self.max_calls}")
-        found: dict[str, Task] = {}
-        attempts = 0
-        while len(found) < n:
-            attempts += 1
-            if attempts > 50 * n + 1000:
-                raise RuntimeError(f"could not generate {n} distinct {split} tasks")
-            problem = generate_problem(rng, rng.randint(self.min_calls, self.max_calls))
-            if _split_of(problem["question"], self.test_fraction) != split:
-                continue
-            task_id = "calc-" + hashlib.sha256(problem["question"].encode()).hexdigest()[:12]
-            found.setdefault(task_id, Task(id=task_id, split=split, data=problem))
-        return list(found.values())
+        return distinct_tasks(
+            split, n, random.Random(f"calculator/{seed}/{self.min_calls}/{self.max_calls}"),
+            lambda rng: generate_problem(rng, rng.randint(self.min_calls, self.max_calls)),
+            lambda problem: problem["question"], "calc", self.test_fraction,
+        )
 
     async def reset(self, task: Task) -> list[Message]:
         self.task = task

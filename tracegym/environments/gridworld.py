@@ -18,12 +18,12 @@ env's ``max_turns`` truncates it.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import deque
 from typing import Any, Callable, Hashable, Iterable, Literal, Sequence, TypeVar
 
 from tracegym.envs.base import Task
+from tracegym.envs.tasks import distinct_tasks
 from tracegym.envs.tools import ToolEnv, tool
 from tracegym.types import Message, StepResult, ToolCall
 
@@ -62,14 +62,6 @@ def bfs_path(start: State, is_goal: Callable[[State], bool], successors: Callabl
 def _step(cell: Cell, direction: str) -> Cell:
     dr, dc = DIRECTIONS[direction]
     return cell[0] + dr, cell[1] + dc
-
-
-def _content_split(content: str, test_fraction: float) -> tuple[str, str]:
-    """(split, short hash) of a level: the split is a function of the level itself, so train and
-    test never share one, whatever the seeds."""
-    digest = hashlib.sha256(content.encode()).digest()
-    split = "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"
-    return split, digest.hex()[:12]
 
 
 # --- FrozenLake -------------------------------------------------------------------------------------
@@ -120,6 +112,7 @@ class _GridEnv(ToolEnv):
     """Shared task generation and scoring for the grid games."""
 
     game: str = "grid"
+    system_prompt: str = ""
 
     def __init__(self, max_turns: int | None, test_fraction: float) -> None:
         if not 0.0 < test_fraction < 1.0:
@@ -134,24 +127,31 @@ class _GridEnv(ToolEnv):
     def _options_key(self) -> str:
         raise NotImplementedError
 
+    def _load(self, grid: Sequence[str]) -> None:
+        """Set the episode's state from a level's ``grid``."""
+        raise NotImplementedError
+
+    def _opening(self) -> str:
+        """The first user message: the goal and the board."""
+        raise NotImplementedError
+
+    async def reset(self, task: Task) -> list[Message]:
+        self.task = task
+        self._load(task.data["grid"])
+        return [Message(role="system", content=self.system_prompt), Message(role="user", content=self._opening())]
+
     def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        rng = random.Random(f"{self.game}/{seed}/{self._options_key()}")
-        found: dict[str, Task] = {}
-        attempts = 0
-        while len(found) < n:
-            attempts += 1
-            if attempts > 50 * n + 1000:
-                raise RuntimeError(f"could not generate {n} distinct {split} {self.game} levels; enlarge the grid")
-            level = self._generate(rng)
-            level_split, digest = _content_split("\n".join(level["grid"]), self.test_fraction)
-            if level_split != split:
-                continue
-            level["reference_calls"] = [{"name": "move", "arguments": {"direction": d}} for d in level["solution"]]
-            task_id = f"{self.game}-{digest}"
-            found.setdefault(task_id, Task(id=task_id, split=split, data=level))
-        return list(found.values())
+        return distinct_tasks(
+            split, n, random.Random(f"{self.game}/{seed}/{self._options_key()}"), self._generate_level,
+            lambda level: "\n".join(level["grid"]), self.game, self.test_fraction,
+            what=f"{self.game} levels; enlarge the grid",
+        )
+
+    def _generate_level(self, rng: random.Random) -> dict[str, Any]:
+        """A level of ``_generate`` with its ``reference_calls`` (the moves of its solution)."""
+        level = self._generate(rng)
+        level["reference_calls"] = [{"name": "move", "arguments": {"direction": d}} for d in level["solution"]]
+        return level
 
     def on_text(self, message: Message) -> StepResult:
         # No move: the agent gave up (grid games need no final answer).
@@ -182,6 +182,7 @@ class FrozenLakeEnv(_GridEnv):
     name = "frozenlake"
     description = "Text FrozenLake: reach G without falling into a hole, with a move(direction) tool."
     game = "frozenlake"
+    system_prompt = LAKE_PROMPT
     default_max_turns = 30
 
     def __init__(
@@ -203,6 +204,14 @@ class FrozenLakeEnv(_GridEnv):
     def _generate(self, rng: random.Random) -> dict[str, Any]:
         return generate_frozenlake(rng, self.size, self.hole_fraction)
 
+    def _load(self, grid: Sequence[str]) -> None:
+        self.grid = list(grid)
+        self.position = _find(self.grid, "S")[0]
+        self.goal = _find(self.grid, "G")[0]
+
+    def _opening(self) -> str:
+        return f"Reach the goal.\n\n{self.render()}"
+
     def render(self) -> str:
         rows = []
         for r, row in enumerate(self.grid):
@@ -211,16 +220,6 @@ class FrozenLakeEnv(_GridEnv):
                 chars[self.position[1]] = "P"
             rows.append("".join(chars))
         return "\n".join(rows)
-
-    async def reset(self, task: Task) -> list[Message]:
-        self.task = task
-        self.grid = list(task.data["grid"])
-        self.position = _find(self.grid, "S")[0]
-        self.goal = _find(self.grid, "G")[0]
-        return [
-            Message(role="system", content=LAKE_PROMPT),
-            Message(role="user", content=f"Reach the goal.\n\n{self.render()}"),
-        ]
 
     @tool(timeout=2.0)
     def move(self, direction: Direction) -> str:
@@ -364,6 +363,7 @@ class SokobanEnv(_GridEnv):
     name = "sokoban"
     description = "Text Sokoban (6x6, 1-2 boxes): push every box onto a target with a move(direction) tool."
     game = "sokoban"
+    system_prompt = SOKOBAN_PROMPT
     default_max_turns = 40
 
     def __init__(
@@ -396,21 +396,19 @@ class SokobanEnv(_GridEnv):
     def _generate(self, rng: random.Random) -> dict[str, Any]:
         return generate_sokoban(rng, self.size, rng.randint(self.min_boxes, self.max_boxes), self.min_moves, self.max_moves)
 
+    def _load(self, grid: Sequence[str]) -> None:
+        self.walls, self.targets, self.player, boxes = parse_sokoban(grid)
+        self.boxes = set(boxes)
+
+    def _opening(self) -> str:
+        return f"Put every box on a target.\n\n{self.render()}\n{self._status()}"
+
     def render(self) -> str:
         return render_sokoban(self.size, self.walls, self.targets, self.player, self.boxes)
 
     def _status(self) -> str:
         on = len(self.boxes & self.targets)
         return f"Boxes on targets: {on}/{len(self.targets)}."
-
-    async def reset(self, task: Task) -> list[Message]:
-        self.task = task
-        self.walls, self.targets, self.player, boxes = parse_sokoban(task.data["grid"])
-        self.boxes = set(boxes)
-        return [
-            Message(role="system", content=SOKOBAN_PROMPT),
-            Message(role="user", content=f"Put every box on a target.\n\n{self.render()}\n{self._status()}"),
-        ]
 
     @tool(timeout=2.0)
     def move(self, direction: Direction) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -79,6 +79,22 @@ def _title(summary: Mapping[str, Any]) -> str:
     return " / ".join(parts)
 
 
+def _pass_at_k_curve(ax: Any, summary: Mapping[str, Any], turn: str, label: str, alpha: float) -> list[int]:
+    """Plot pass@k at budget ``turn`` with its bootstrap interval as a band of opacity ``alpha``; returns its ks."""
+    ks, values, lows, highs = _series(summary, turn)
+    (line,) = ax.plot(ks, values, marker="o", label=label)
+    ax.fill_between(ks, lows, highs, color=line.get_color(), alpha=alpha, linewidth=0)
+    return ks
+
+
+def _finish_pass_at_k_axes(ax: Any, ks: Iterable[int], ylabel: str, title: str) -> None:
+    """The k axis over all plotted ``ks``, the y label, the title and the legend of a pass@k plot."""
+    _k_axis(ax, sorted(ks))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+
+
 def pass_at_k_figure(summary: Mapping[str, Any], title: str | None = None) -> Figure:
     """pass@k against k, one curve per turn budget T, with the bootstrap interval as a band."""
     fig = _new_figure(6.0, 4.0)
@@ -86,14 +102,8 @@ def pass_at_k_figure(summary: Mapping[str, Any], title: str | None = None) -> Fi
     turns = sorted(summary["pass_at"], key=int)
     all_ks: set[int] = set()
     for turn in turns:
-        ks, values, lows, highs = _series(summary, turn)
-        all_ks.update(ks)
-        (line,) = ax.plot(ks, values, marker="o", label=f"T={turn}")
-        ax.fill_between(ks, lows, highs, color=line.get_color(), alpha=0.18, linewidth=0)
-    _k_axis(ax, sorted(all_ks))
-    ax.set_ylabel("pass@(k, T)")
-    ax.set_title(title or f"pass@k  {_title(summary)}", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+        all_ks.update(_pass_at_k_curve(ax, summary, turn, f"T={turn}", alpha=0.18))
+    _finish_pass_at_k_axes(ax, all_ks, "pass@(k, T)", title or f"pass@k  {_title(summary)}")
     return fig
 
 
@@ -155,14 +165,8 @@ def compare_figure(
         if key not in summary["pass_at"]:
             raise ValueError(f"evaluation '{label}' has no turn budget T={key} (has {sorted(summary['pass_at'], key=int)})")
         budgets.add(key)
-        ks, values, lows, highs = _series(summary, key)
-        all_ks.update(ks)
-        (line,) = ax.plot(ks, values, marker="o", label=f"{label} (T={key})")
-        ax.fill_between(ks, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
-    _k_axis(ax, sorted(all_ks))
-    ax.set_ylabel("pass@k")
-    ax.set_title("pass@k" + (f" at T={budgets.pop()}" if len(budgets) == 1 else ""), fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+        all_ks.update(_pass_at_k_curve(ax, summary, key, f"{label} (T={key})", alpha=0.15))
+    _finish_pass_at_k_axes(ax, all_ks, "pass@k", "pass@k" + (f" at T={budgets.pop()}" if len(budgets) == 1 else ""))
     return fig
 
 

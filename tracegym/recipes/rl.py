@@ -36,7 +36,6 @@ import copy
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -56,18 +55,16 @@ from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters, is_peft_model, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.policy_update import batch_logprobs, policy_update, reference_logprobs, score_batch
+from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import Trajectory, TrajectoryGroup, group_trajectories
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RLResult:
-    run_dir: Path
-    final_dir: Path | None  # None when the run stopped early (``stop_at_step``)
-    step: int
-    history: list[dict[str, Any]] = field(default_factory=list)  # rows logged by this invocation
+class RLResult(TrainResult):
+    """What ``train_rl`` returns: the run folder, the final model folder (None when stopped early),
+    the last step and the rows this invocation logged."""
 
 
 # --- tasks -----------------------------------------------------------------------------------------

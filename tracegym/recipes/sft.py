@@ -45,6 +45,7 @@ from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs
 from tracegym.train.lora import count_parameters, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrainingExample
 
@@ -61,12 +62,8 @@ class SFTData:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class SFTResult:
-    run_dir: Path
-    final_dir: Path | None  # None when the run stopped early (``stop_at_step``)
-    step: int
-    history: list[dict[str, Any]] = field(default_factory=list)  # rows logged by this invocation
+class SFTResult(TrainResult):
+    """What ``train_sft`` returns."""
 
 
 def load_sft_examples(

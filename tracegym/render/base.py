@@ -87,7 +87,6 @@ class Renderer(ABC):
         """Token ids that end an assistant turn (the engine stops on them)."""
 
     # -- training data -------------------------------------------------------------------------
-    @abstractmethod
     def build_examples(
         self,
         trajectory: Trajectory,
@@ -96,4 +95,10 @@ class Renderer(ABC):
         stats: BuildStats | None = None,
     ) -> list[TrainingExample]:
         """Trajectory -> one example (or several, where a turn's prompt does not extend the
-        sequence so far). ``advantage`` is a scalar for the whole episode or one value per turn."""
+        sequence so far). ``advantage`` is a scalar for the whole episode or one value per turn.
+
+        The examples are cut from the token ids the trajectory recorded (token-in, token-out), so
+        this default, ``tracegym.render.trajectory_examples.build_examples``, serves every template."""
+        from tracegym.render.trajectory_examples import build_examples
+
+        return build_examples(trajectory, weight=weight, advantage=advantage, stats=stats)

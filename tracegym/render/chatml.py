@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tracegym.render.base import BuildStats, Renderer
-from tracegym.render.trajectory_examples import build_examples
+from tracegym.render.base import Renderer
 from tracegym.render.toolcalls import parse_assistant_text, serialize_assistant, tools_json_lines
-from tracegym.types import Message, ParsedCompletion, Trajectory, TrainingExample
+from tracegym.types import Message, ParsedCompletion
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -161,6 +160,15 @@ class ChatMLRenderer(Renderer):
         ids.extend(self.encode_text("".join(pending)))
         return ids
 
+    def _conversation(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool
+    ) -> list[Segment]:
+        """The segments of a whole conversation, with the generation prompt when asked for."""
+        segments = self._layout(messages, tools, start=True)
+        if add_generation_prompt:
+            segments += self._generation_prompt()
+        return segments
+
     # -- Renderer interface ---------------------------------------------------------------------
     def render_text(
         self,
@@ -168,10 +176,7 @@ class ChatMLRenderer(Renderer):
         tools: Sequence[dict] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        segments = self._layout(messages, tools, start=True)
-        if add_generation_prompt:
-            segments += self._generation_prompt()
-        return self._segments_to_text(segments)
+        return self._segments_to_text(self._conversation(messages, tools, add_generation_prompt))
 
     def render_ids(
         self,
@@ -180,10 +185,7 @@ class ChatMLRenderer(Renderer):
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of ``render_text`` (same arguments); ``render_prompt`` is the generation-prompt case."""
-        segments = self._layout(messages, tools, start=True)
-        if add_generation_prompt:
-            segments += self._generation_prompt()
-        return self._segments_to_ids(segments)
+        return self._segments_to_ids(self._conversation(messages, tools, add_generation_prompt))
 
     def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         return self.render_ids(messages, tools, add_generation_prompt=True)
@@ -239,12 +241,3 @@ class ChatMLRenderer(Renderer):
         if END_OF_TEXT in self._special_ids:
             ids.append(self._special_ids[END_OF_TEXT])
         return ids
-
-    def build_examples(
-        self,
-        trajectory: Trajectory,
-        weight: float = 1.0,
-        advantage: float | Sequence[float] = 0.0,
-        stats: BuildStats | None = None,
-    ) -> list[TrainingExample]:
-        return build_examples(trajectory, weight=weight, advantage=advantage, stats=stats)

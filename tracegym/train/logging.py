@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from tracegym.closing import ClosesOnExit
 from tracegym.types import read_json_rows
 
 METRICS_FILE = "metrics.jsonl"
@@ -58,7 +59,7 @@ def _as_number(value: Any) -> float | int | None:
     return None
 
 
-class MetricsLogger:
+class MetricsLogger(ClosesOnExit):
     """Log scalar metrics per step to metrics.jsonl, TensorBoard and (optionally) W&B."""
 
     def __init__(
@@ -159,14 +160,8 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> "MetricsLogger":
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ProgressBar:
+class ProgressBar(ClosesOnExit):
     """A rich progress bar with rate and ETA; a no-op when disabled (tests, non-interactive logs)."""
 
     def __init__(self, total: int, description: str = "train", enabled: bool = True, completed: int = 0):
@@ -202,9 +197,3 @@ class ProgressBar:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
