@@ -283,11 +283,33 @@ def _align_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokeni
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def portable_model_name(name_or_path: str | os.PathLike[str] | None) -> str | None:
+    """The name to record for a base model in a saved folder: a known name (``smollm2-135m``) for a
+    known model, even when given as this machine's cache folder (peft records ``name_or_path``,
+    which for SmolLM2 is the cache); anything else unchanged. None stays None."""
+    if name_or_path is None:
+        return None
+    text = os.fspath(name_or_path)
+    lowered = text.strip().lower()
+    if lowered in KNOWN_MODELS:
+        return lowered
+    if lowered in _ALIASES:
+        return _ALIASES[lowered]
+    try:
+        if Path(text).expanduser().resolve() == model_cache_path(DEFAULT_MODEL).expanduser().resolve():
+            return DEFAULT_MODEL
+    except (OSError, RuntimeError):
+        pass
+    return text
+
+
 def adapter_base_model(folder: str | os.PathLike[str]) -> str | None:
     """The base model a peft adapter folder was trained on, or None when ``folder`` is no adapter.
 
     tracegym's recipes write ``tracegym.json`` (``base_model``) beside the adapter; otherwise peft's
-    ``adapter_config.json`` field ``base_model_name_or_path`` is used.
+    ``adapter_config.json`` field ``base_model_name_or_path`` is used. tracegym writes a portable
+    name there (``smollm2-135m``, see ``portable_model_name``); a folder written before that may
+    name this machine's cache folder, which ``load`` still accepts.
     """
     folder = Path(folder)
     if not (folder / "adapter_config.json").is_file():
@@ -300,7 +322,7 @@ def adapter_base_model(folder: str | os.PathLike[str]) -> str | None:
     base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{folder} holds a LoRA adapter but names no base model (tracegym.json or adapter_config.json)")
-    return str(base)
+    return portable_model_name(str(base))
 
 
 def _load_adapter_folder(folder: Path, base: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

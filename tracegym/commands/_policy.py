@@ -152,6 +152,35 @@ def make_tasks(args: argparse.Namespace) -> tuple[dict[str, Any], list[Task]]:
     return env_options, list(tasks)
 
 
+# Turn limit of an env that states none (the episode loop's own default).
+FALLBACK_MAX_TURNS = 50
+
+
+def env_turn_limit(args: argparse.Namespace) -> int:
+    """The env's own turn limit: ``max_turns`` of ``--env`` made with its ``--env-option`` values
+    (``ToolEnv.max_turns``: the option when given, else the env's default); ``FALLBACK_MAX_TURNS``
+    for an env without one. The default of ``rollout --max-turns`` and of ``eval --turns``, so a
+    recording is never cut below the limit the env itself enforces."""
+    from tracegym.envs import make
+
+    try:
+        env = make(args.env, **dict(args.env_option))
+    except Exception as exc:  # noqa: BLE001 - same message as make_tasks
+        raise UsageError(f"cannot make env {args.env!r} with {dict(args.env_option)}: {exc}") from exc
+    try:
+        limit = getattr(env, "max_turns", None)
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - closing a probe env must not fail the command
+                pass
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+        return limit
+    return FALLBACK_MAX_TURNS
+
+
 @dataclass
 class PolicySetup:
     """Everything ``run_rollouts`` needs about the policy, and what to record about it."""

@@ -51,13 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, default_tasks=20, default_samples=8)
     parser.add_argument("--k", type=int_list, default=int_list(DEFAULT_KS), metavar="K1,K2,...",
                         help=f"sample budgets k of pass@k (default {DEFAULT_KS}); k larger than --samples are skipped")
-    parser.add_argument("--turns", type=int_list, default=int_list(DEFAULT_TURNS), metavar="T1,T2,...",
-                        help=f"turn budgets T (default {DEFAULT_TURNS}); episodes run with max_turns = the largest")
+    parser.add_argument("--turns", type=int_list, default=None, metavar="T1,T2,...",
+                        help="turn budgets T (default: 1, 2, 4, ... up to the env's own turn limit, which is "
+                             "included); episodes run with max_turns = the largest")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature (default: 1.0 when --samples > 1, since pass@k needs diverse "
                              "samples; 0.0, greedy, when --samples is 1)")
     parser.add_argument("--bootstrap", type=positive_int, default=1000,
                         help="bootstrap resamples over tasks for the 95%% intervals (default 1000)")
+
+
+def default_turns(limit: int) -> list[int]:
+    """Turn budgets when ``--turns`` is not given: powers of two below the env's turn limit, then
+    the limit itself (8 -> 1,2,4,8; 20 -> 1,2,4,8,16,20)."""
+    turns, t = [], 1
+    while t < limit:
+        turns.append(t)
+        t *= 2
+    return turns + [limit]
 
 
 def default_temperature(samples: int) -> float:
@@ -72,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tracegym.commands._policy import (
-        UsageError, build_policy, check_env_args, make_tasks, print_error, rollout_config,
+        UsageError, build_policy, check_env_args, env_turn_limit, make_tasks, print_error, rollout_config,
     )
     from tracegym.eval.evaluate import atomic_write_text
     from tracegym.recipes.evaluate import evaluate_to_dir
@@ -89,11 +100,12 @@ def run(args: argparse.Namespace) -> int:
     if temperature == 0.0 and args.samples > 1 and args.policy == "model":
         notes.append("greedy sampling (temperature 0) with several samples: the samples are (nearly) identical, "
                      "so pass@k for k > 1 is about pass@1")
-    max_turns = max(args.turns)
-
     try:
         check_env_args(args)  # an unknown env or option: one line, before anything loads
         env_options, tasks = make_tasks(args)
+        if args.turns is None:
+            args.turns = default_turns(env_turn_limit(args))
+        max_turns = max(args.turns)
         setup = build_policy(args)
         config = rollout_config(args, setup, max_turns=max_turns, temperature=temperature)
     except UsageError as exc:

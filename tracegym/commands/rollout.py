@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_arguments(parser, default_split="train")
     add_policy_arguments(parser)
     add_run_arguments(parser, default_tasks=8, default_samples=1)
-    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="assistant turns per episode (default: the env's own turn limit, its max_turns)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--on-env-error", default="exclude", choices=["exclude", "zero_reward"])
     parser.add_argument("--no-logprob-gap", action="store_true", help="skip the engine/trainer log-prob gap check")
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tracegym.commands._policy import (
-        UsageError, build_policy, check_env_args, make_tasks, print_error, rollout_config, run_policy,
+        UsageError, build_policy, check_env_args, env_turn_limit, make_tasks, print_error, rollout_config, run_policy,
     )
     from tracegym.data.store import TrajectoryWriter, export_parquet
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_env_args(args)  # an unknown env or option: one line, before anything loads
         env_options, tasks = make_tasks(args)
+        if args.max_turns is None:
+            args.max_turns = env_turn_limit(args)
         setup = build_policy(args)
         config = rollout_config(args, setup, max_turns=args.max_turns, temperature=args.temperature,
                                 on_env_error=args.on_env_error, measure_logprob_gap=not args.no_logprob_gap)

@@ -29,6 +29,7 @@ from tracegym.envs.registry import (
     register,
     unregister,
 )
+from tracegym.envs.mcp import MCPServerConfig, MCPToolEnv, MCPToolProvider, close_shared_providers
 from tracegym.envs.tools import ToolEnv, extract_answer, tool, tool_schema
 
 __all__ = [
@@ -39,6 +40,9 @@ __all__ = [
     "Env",
     "EnvCheckError",
     "EnvLoadError",
+    "MCPServerConfig",
+    "MCPToolEnv",
+    "MCPToolProvider",
     "Task",
     "TokenData",
     "ToolEnv",
@@ -55,6 +59,7 @@ __all__ = [
     "run_episode",
     "run_episodes",
     "check_env",
+    "close_shared_providers",
     "tool",
     "tool_schema",
     "unregister",

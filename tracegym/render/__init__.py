@@ -1,7 +1,8 @@
 """The token layer: chat templates <-> token ids, tool-call parsing, loss masks.
 
-``get_renderer(name, tokenizer)`` returns a ``Renderer`` for a template name ("smollm2", "hermes")
-or for a model name ("smollm2-135m", "tiny-random" -> "smollm2"; Qwen2.5/Qwen3 names -> "hermes").
+``get_renderer(name, tokenizer)`` returns a ``Renderer`` for a template name ("smollm2", "hermes",
+"qwen3", "llama3") or for a model name ("smollm2-135m", "tiny-random" -> "smollm2"; Qwen3 names ->
+"qwen3", other Qwen names -> "hermes"; Llama names -> "llama3").
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Any
 from tracegym.render.base import BuildStats, Renderer
 from tracegym.render.chatml import ChatMLRenderer
 from tracegym.render.hermes import HermesRenderer, hermes_chat_template
+from tracegym.render.llama3 import Llama3Renderer, llama3_chat_template
+from tracegym.render.qwen3 import Qwen3Renderer
 from tracegym.render.smollm2 import SmolLM2Renderer
 
 RENDERERS: dict[str, type[Renderer]] = {
     "smollm2": SmolLM2Renderer,
     "hermes": HermesRenderer,
+    "qwen3": Qwen3Renderer,
+    "llama3": Llama3Renderer,
 }
 
 # Model names (lower case) -> renderer name.
@@ -27,7 +32,15 @@ MODEL_RENDERERS: dict[str, str] = {
 }
 
 # Substrings of a model name or path that pick a renderer when the name is not listed above.
-_FAMILY_HINTS: tuple[tuple[str, str], ...] = (("qwen", "hermes"), ("hermes", "hermes"), ("smollm", "smollm2"))
+# First match wins: "qwen3" before "qwen".
+_FAMILY_HINTS: tuple[tuple[str, str], ...] = (
+    ("qwen3", "qwen3"),
+    ("qwen", "hermes"),
+    ("hermes", "hermes"),
+    ("smollm", "smollm2"),
+    ("llama-3", "llama3"),
+    ("llama3", "llama3"),
+)
 
 
 def register_renderer(name: str, cls: type[Renderer]) -> None:
@@ -50,8 +63,12 @@ def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str
     # A local folder of an unknown model: a ChatML template that knows tools is Hermes-style.
     # (Only for folders: a mistyped renderer name is an error, not a silent guess.)
     template = getattr(tokenizer, "chat_template", None)
+    if os.path.isdir(key) and isinstance(template, str) and "<|start_header_id|>" in template:
+        return "llama3"
     if os.path.isdir(key) and isinstance(template, str) and "<|im_start|>" in template:
-        return "hermes" if "<tool_call>" in template else "smollm2"
+        if "<tool_call>" in template:
+            return "qwen3" if "</think>" in template else "hermes"
+        return "smollm2"
     known = sorted(RENDERERS) + sorted(MODEL_RENDERERS)
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -67,12 +84,15 @@ __all__ = [
     "BuildStats",
     "ChatMLRenderer",
     "HermesRenderer",
+    "Llama3Renderer",
     "MODEL_RENDERERS",
+    "Qwen3Renderer",
     "RENDERERS",
     "Renderer",
     "SmolLM2Renderer",
     "get_renderer",
     "hermes_chat_template",
+    "llama3_chat_template",
     "register_renderer",
     "renderer_name_for",
 ]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
 from typing import Any, Literal
 
 from tracegym.render.base import Renderer
@@ -53,6 +55,22 @@ TOOLS_BLOCK_TAIL = (
 def tools_block(tools: Sequence[dict]) -> str:
     """The tools section of the system prompt: every schema as one JSON line, then the call format."""
     return TOOLS_BLOCK_HEAD + tools_json_lines(tools) + TOOLS_BLOCK_TAIL
+
+
+@lru_cache(maxsize=None)
+def packaged_chat_template(name: str) -> str | None:
+    """The Jinja source of ``templates/<name>.jinja`` shipped with tracegym (the renderer ``name``
+    written as a chat template for ``tokenizer.apply_chat_template``), or None when there is none."""
+    file = resources.files("tracegym.render").joinpath(f"templates/{name}.jinja")
+    return file.read_text(encoding="utf-8") if file.is_file() else None
+
+
+def smollm2_chat_template() -> str:
+    """The Jinja source of ``templates/smollm2.jinja``: the ``smollm2`` renderer with tools, as saved
+    checkpoints carry it (SmolLM2's own template knows no tools)."""
+    template = packaged_chat_template("smollm2")
+    assert template is not None, "tracegym/render/templates/smollm2.jinja is missing from the install"
+    return template
 
 
 SegmentKind = Literal["special", "text", "body"]
@@ -104,6 +122,12 @@ class ChatMLRenderer(Renderer):
     def _single_token_id(self, token: str) -> int | None:
         ids = self.tokenizer(token, add_special_tokens=False)["input_ids"]
         return ids[0] if len(ids) == 1 else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """This renderer as a Jinja chat template (``templates/<name>.jinja``), tools included, or
+        None when tracegym ships none for it. Saved checkpoints carry it as ``chat_template.jinja``."""
+        return packaged_chat_template(self.name)
 
     # -- layout (template-specific) -------------------------------------------------------------
     def _layout(self, messages: Sequence[Message], tools: Sequence[dict] | None, start: bool) -> list[Segment]:

@@ -14,27 +14,30 @@ engines that render text themselves); the golden tests check the two against eac
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
-from importlib import resources
-
-from tracegym.render.chatml import IM_END, IM_START, ChatMLRenderer, Segment, special, text, tools_block
+from tracegym.render.chatml import (
+    IM_END,
+    IM_START,
+    ChatMLRenderer,
+    Segment,
+    packaged_chat_template,
+    special,
+    text,
+    tools_block,
+)
 from tracegym.types import Message
 
 
-@lru_cache(maxsize=1)
 def hermes_chat_template() -> str:
     """The Jinja source of ``templates/hermes.jinja``."""
-    return resources.files("tracegym.render").joinpath("templates/hermes.jinja").read_text(encoding="utf-8")
+    template = packaged_chat_template("hermes")
+    assert template is not None, "tracegym/render/templates/hermes.jinja is missing from the install"
+    return template
 
 
 class HermesRenderer(ChatMLRenderer):
     """ChatML + Hermes tool convention (Qwen2.5 style); tool results as ``<tool_response>`` user turns."""
 
     name = "hermes"
-
-    @property
-    def chat_template(self) -> str:
-        return hermes_chat_template()
 
     def _layout(self, messages: Sequence[Message], tools: Sequence[dict] | None, start: bool) -> list[Segment]:
         segments: list[Segment] = []

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from tracegym.train.lora import is_peft_model, load_weights, save_weights
+from tracegym.train.lora import is_peft_model, load_weights, normalize_permissions, save_weights
 from tracegym.train.seed import rng_state, set_rng_state
 
 FORMAT_VERSION = 1
@@ -427,18 +427,195 @@ def _is_read_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "SafetensorError"
 
 
+INFO_FILE = "tracegym.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Fields transformers 5 moved into ``rope_parameters`` that transformers 4.x reads at the top level.
+_ROPE_TOP_LEVEL = ("rope_theta", "partial_rotary_factor")
+# Tokenizer-config keys that record how a tokenizer was loaded here, not what it is.
+_LOAD_ONLY_TOKENIZER_KEYS = ("is_local", "local_files_only")
+
+
+def renderer_chat_template(renderer: str | None, tokenizer: Any) -> str | None:
+    """The Jinja chat template of the renderer ``renderer`` names (a renderer name such as
+    ``smollm2``/``hermes``, a model name, or a model path), tools included; None (with a warning)
+    when no renderer is found for it or tracegym ships no template for that renderer."""
+    if not renderer:
+        return None
+    from tracegym.render import get_renderer
+
+    try:
+        template = getattr(get_renderer(str(renderer), tokenizer), "chat_template", None)
+    except ValueError as exc:
+        log.warning("no renderer for %s (%s); the saved tokenizer keeps its own chat template", renderer, exc)
+        return None
+    if not isinstance(template, str):
+        # e.g. a renderer checked against the model's own template: that one is already saved
+        log.info("tracegym ships no template for renderer %s; the saved tokenizer keeps its own", renderer)
+        return None
+    return template
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path, chat_template: str | None = None) -> None:
+    """``tokenizer.save_pretrained(folder)``, then made portable: ``chat_template`` (when given) as
+    ``chat_template.jinja`` (what transformers 5 reads first) and in ``tokenizer_config.json`` (what
+    older readers use); transformers 5's ``TokenizersBackend`` class written under its transformers
+    4.x name ``PreTrainedTokenizerFast`` (an alias in 5); load-time flags dropped. ``tokenizer`` is
+    not changed."""
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    config_file = folder / "tokenizer_config.json"
+    if chat_template is not None:
+        (folder / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for key in _LOAD_ONLY_TOKENIZER_KEYS:
+        config.pop(key, None)
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def legacy_config_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` as a dict) plus the fields transformers 4.x reads instead of
+    transformers 5's ``rope_parameters``: ``rope_theta`` (and ``partial_rotary_factor``) at the top
+    level, ``rope_scaling`` for a scaled RoPE (transformers 5 reads it back into the same
+    ``rope_parameters``), and ``torch_dtype`` beside ``dtype``. Without them transformers 4.x falls
+    back to rope_theta 10000 (SmolLM2 was trained with 100000). Per-layer-type RoPE (nested
+    ``rope_parameters``) has no transformers 4.x form and is left as is."""
+    config = dict(config)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and rope and all(not isinstance(v, dict) for v in rope.values()):
+        for key in _ROPE_TOP_LEVEL:
+            if key in rope:
+                config[key] = rope[key]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" and config.get("rope_scaling") is None:
+            scaling = {k: v for k, v in rope.items() if k not in _ROPE_TOP_LEVEL}
+            scaling.setdefault("rope_type", rope_type)
+            config["rope_scaling"] = scaling
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
+
+
+def write_legacy_config(folder: str | Path) -> None:
+    """Add :func:`legacy_config_fields` to ``folder/config.json`` (when there is one)."""
+    file = Path(folder) / "config.json"
+    if file.is_file():
+        config = json.loads(file.read_text(encoding="utf-8"))
+        file.write_text(json.dumps(legacy_config_fields(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: str | Path, info: dict[str, Any]) -> Path:
+    """Write a portable model folder (not atomically; see :func:`save_final`): the adapter (LoRA) or
+    the whole model as safetensors, the tokenizer with the renderer's tool-aware chat template,
+    ``tracegym.json`` (``info``), a config.json transformers 4.x reads the same, and the file modes
+    the umask gives. ``info["base_model"]`` is recorded as a portable name (``smollm2-135m``, not a
+    cache path), in ``tracegym.json`` and in an adapter's ``adapter_config.json``; ``info["renderer"]``
+    (else the base model) picks the chat template."""
+    from tracegym.models import portable_model_name
+
+    folder = Path(folder)
+    info = dict(info)
+    if info.get("base_model") is not None:
+        info["base_model"] = portable_model_name(str(info["base_model"]))
+    save_weights(model, folder, base_model=info.get("base_model"))
+    template = renderer_chat_template(info.get("renderer") or info.get("base_model"), tokenizer)
+    save_tokenizer(tokenizer, folder, template)
+    write_legacy_config(folder)
+    (folder / INFO_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
+    normalize_permissions(folder)
+    return folder
+
+
 def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
-    """Write ``run_dir/final`` atomically: the adapter (LoRA) or the whole model, the tokenizer, and
-    ``tracegym.json`` (``info``: base model, recipe...), which ``tracegym.models.load`` reads to put
-    an adapter back on its base model. Returns the folder."""
+    """Write ``run_dir/final`` atomically (see :func:`write_model_folder` for what it holds):
+    ``tracegym.json`` (``info``: base model, renderer, recipe...) is what ``tracegym.models.load``
+    reads to put an adapter back on its base model. Returns the folder."""
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / "final"
     tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-    save_weights(model, tmp)
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / "tracegym.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
-    _fsync_tree(tmp)
-    if final.exists():
-        _remove_dir(final)
-    os.replace(tmp, final)
+    try:
+        tmp.mkdir()
+        write_model_folder(model, tokenizer, tmp, info)
+        _fsync_tree(tmp)
+        if final.exists():
+            _remove_dir(final)
+        os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+_EXPORT_CHECK_TOLERANCE = 1e-5
+_EXPORT_CHECK_TEXT = "<|im_start|>user\nWhat is 12 * 7 + 3? Use the calculate tool.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def export_merged(source: str | Path, out: str | Path, dtype: Any = "float32", overwrite: bool = False) -> dict[str, Any]:
+    """Write ``out``: ``source`` as one plain Hugging Face model folder, the LoRA adapter merged
+    into the base weights (safetensors, config.json that transformers 4.x reads the same,
+    generation config, tokenizer with the renderer's tool-aware chat template, ``tracegym.json``).
+
+    ``source`` is a run folder (its ``final/`` is used), an adapter folder (loaded on the base it
+    names), or a model folder. ``out`` is written into a temporary sibling and renamed into place
+    after the folder has been reloaded with plain transformers and its logits compared with the
+    merged model's (at most 1e-5 apart); an existing ``out`` is replaced only with ``overwrite``.
+    Returns what was done: ``out``, ``source``, ``base_model``, ``merged`` (an adapter was merged),
+    ``renderer``, ``max_abs_logit_diff``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tracegym.models import adapter_base_model, load, portable_model_name, resolve_model_name
+
+    source, out = Path(source), Path(out)
+    if (source / "final").is_dir() and not (source / "config.json").is_file() and not (source / "adapter_config.json").is_file():
+        source = source / "final"
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: no such folder (give a run folder, an adapter folder or a model folder)")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --force (overwrite=True) to replace it")
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise ValueError(f"--out {out} must be outside the source folder {source}")
+    resolve_model_name(source)  # a clear error for a folder that holds no model
+    info: dict[str, Any] = {}
+    if (source / INFO_FILE).is_file():
+        info = json.loads((source / INFO_FILE).read_text(encoding="utf-8"))
+    base = adapter_base_model(source)
+    model, tokenizer = load(source, dtype)  # an adapter comes back merged into its base
+    renderer = info.get("renderer") or base or str(source)
+    out_info = {k: v for k, v in info.items() if k not in ("lora",)}
+    out_info.update({
+        "base_model": portable_model_name(base) if base is not None else info.get("base_model"),
+        "renderer": renderer,
+        "merged": base is not None,
+        "exported_from": str(source.resolve()),
+    })
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write_model_folder(model, tokenizer, tmp, out_info)
+        # The folder must load as it is with plain transformers and compute what the merged model does.
+        ids = torch.tensor([tokenizer(_EXPORT_CHECK_TEXT, add_special_tokens=False)["input_ids"]])  # [1, T]
+        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=model.dtype, local_files_only=True).eval()
+        with torch.no_grad():
+            diff = (model(ids).logits - reloaded(ids).logits).abs().max().item()
+        del reloaded
+        if not diff <= _EXPORT_CHECK_TOLERANCE:
+            raise RuntimeError(f"the exported folder's logits differ from the merged model's by {diff}")
+        _fsync_tree(tmp)
+        if out.exists():
+            _remove_dir(out)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": out, "source": source, "base_model": out_info["base_model"], "merged": base is not None,
+            "renderer": renderer, "max_abs_logit_diff": diff}

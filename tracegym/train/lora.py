@@ -14,6 +14,7 @@ import torch
 from tracegym.config import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
@@ -66,11 +67,79 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def save_weights(model: torch.nn.Module, folder: str | Path) -> None:
-    """Save what training changed: the adapter of a peft model, or the whole model, as safetensors."""
+def save_weights(model: torch.nn.Module, folder: str | Path, base_model: str | None = None) -> None:
+    """Save what training changed: the adapter of a peft model, or the whole model, as safetensors.
+
+    An adapter's ``adapter_config.json`` (``base_model_name_or_path``) and model card name
+    ``base_model`` when given, else the portable name of the base peft recorded
+    (``tracegym.models.portable_model_name``: ``smollm2-135m`` rather than this machine's cache
+    folder). Files are written with the permissions the umask gives (safetensors itself writes 0600).
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if (folder / ADAPTER_CONFIG).is_file():
+        set_adapter_base(folder, base_model)
+    normalize_permissions(folder)
+
+
+def set_adapter_base(folder: str | Path, base_model: str | None = None) -> str | None:
+    """Rewrite the base model an adapter folder names (``adapter_config.json`` and peft's README
+    model card) to ``base_model``, or to the portable name of the one it names. Returns the name."""
+    import json
+
+    from tracegym.models import portable_model_name
+
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    old = config.get("base_model_name_or_path")
+    new = portable_model_name(base_model if base_model is not None else old)
+    if new is None or new == old:
+        return new
+    config["base_model_name_or_path"] = new
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    card = folder / "README.md"
+    if old and card.is_file():
+        card.write_text(card.read_text(encoding="utf-8").replace(str(old), new), encoding="utf-8")
+    return new
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    import os
+
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # the portable way: set and restore (not atomic across threads)
+    os.umask(mask)
+    return mask
+
+
+def normalize_permissions(folder: str | Path) -> None:
+    """Give ``folder``, its subfolders and files the modes a plain ``open``/``mkdir`` would:
+    0666 / 0777 minus the umask (0644 / 0755 with the usual 022). Libraries that write through a
+    temporary file (safetensors) leave 0600, which other users and containers cannot read."""
+    import os
+
+    mask = _umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, dir_mode)
+    os.chmod(folder, dir_mode)
 
 
 def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
