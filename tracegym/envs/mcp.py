@@ -40,7 +40,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import uuid
 import weakref
 from dataclasses import dataclass, field

@@ -14,6 +14,7 @@ engines that render text themselves); the golden tests check the two against eac
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from tracegym.render.chatml import (
     IM_END,
     IM_START,
