@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from typing import Any
 
@@ -48,6 +49,22 @@ def register_renderer(name: str, cls: type[Renderer]) -> None:
     RENDERERS[name] = cls
 
 
+def _saved_renderer(folder: str) -> str | None:
+    """The ``renderer`` recorded in a saved folder's ``tracegym.json`` (None when absent or unknown)."""
+    info_path = os.path.join(folder, "tracegym.json")
+    if not os.path.isfile(info_path):
+        return None
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            recorded = json.load(f).get("renderer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(recorded, str):
+        return None
+    recorded = MODEL_RENDERERS.get(recorded.lower(), recorded)
+    return recorded if recorded in RENDERERS else None
+
+
 def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str:
     """Renderer name for a renderer name, a known model name, or a model path."""
     key = name_or_tokenizer_name.strip()
@@ -56,6 +73,9 @@ def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str
     lowered = key.lower()
     if lowered in MODEL_RENDERERS:
         return MODEL_RENDERERS[lowered]
+    saved = _saved_renderer(key)
+    if saved is not None:  # a folder tracegym saved says which renderer it was trained with
+        return saved
     base = os.path.basename(lowered.rstrip("/"))
     for hint, renderer in _FAMILY_HINTS:
         if hint in base:
