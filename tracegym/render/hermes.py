@@ -15,16 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tracegym.render.chatml import (
-    IM_END,
-    IM_START,
-    ChatMLRenderer,
-    Segment,
-    packaged_chat_template,
-    special,
-    text,
-    tools_block,
-)
+from tracegym.render.base import Segment, split_system_message
+from tracegym.render.chatml import ChatMLRenderer, group_tool_runs, packaged_chat_template, tool_responses, tools_block
 from tracegym.types import Message
 
 
@@ -44,27 +36,15 @@ class HermesRenderer(ChatMLRenderer):
         segments: list[Segment] = []
         rest = list(messages)
         if start:
-            has_system = bool(rest) and rest[0].role == "system"
-            if tools:
-                prefix = f"{rest[0].content}\n\n" if has_system else ""
-                segments += self._message_segments("system", prefix + tools_block(tools))
-            elif has_system:
-                segments += self._message_segments("system", rest[0].content)
-            if has_system:
-                rest = rest[1:]
-        i = 0
-        while i < len(rest):
-            message = rest[i]
+            system, rest = split_system_message(rest, tools_block(tools) if tools else None)
+            if system is not None:
+                segments += self._message_segments("system", system)
+        for _, turn in group_tool_runs(rest):
+            message = turn[0]
             if message.role == "tool":
-                responses: list[str] = []
-                while i < len(rest) and rest[i].role == "tool":
-                    responses.append(f"\n<tool_response>\n{rest[i].content}\n</tool_response>")
-                    i += 1
-                segments += [special(IM_START), text("user" + "".join(responses)), special(IM_END), text("\n")]
-                continue
-            if message.role == "assistant":
-                segments += self._assistant_segments(message)
+                segments += self._message_segments("user", tool_responses(turn))
+            elif message.role == "assistant":
+                segments += self._assistant_segments(self._assistant_text(message))
             else:
                 segments += self._message_segments(message.role, message.content)
-            i += 1
         return segments

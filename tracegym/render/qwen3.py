@@ -38,19 +38,26 @@ Consequences for the token layer:
 from __future__ import annotations
 
 import json
-import operator
 from collections.abc import Sequence
 from typing import Any
 
-from tracegym.render.chatml import IM_END, IM_START, ChatMLRenderer, Segment, special, text, tools_block
-from tracegym.render.toolcalls import parse_assistant_text, tools_json_lines
+from tracegym.render.base import Segment, special, split_system_message, text
+from tracegym.render.chatml import (
+    IM_END,
+    IM_START,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    ChatMLRenderer,
+    group_tool_runs,
+    tool_responses,
+    tools_block,
+)
+from tracegym.render.toolcalls import tools_json_lines
 from tracegym.types import Message, ParsedCompletion, ToolCall
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
-_TOOL_RESPONSE_OPEN = "<tool_response>"
-_TOOL_RESPONSE_CLOSE = "</tool_response>"
 
 
 def split_reasoning(content: str) -> tuple[str, str] | None:
@@ -81,7 +88,7 @@ def with_reasoning(reasoning: str, answer: str) -> str:
 def _is_query(message: Message) -> bool:
     content = message.content
     return message.role == "user" and not (
-        content.startswith(_TOOL_RESPONSE_OPEN) and content.endswith(_TOOL_RESPONSE_CLOSE)
+        content.startswith(TOOL_RESPONSE_OPEN) and content.endswith(TOOL_RESPONSE_CLOSE)
     )
 
 
@@ -161,7 +168,7 @@ class Qwen3Renderer(ChatMLRenderer):
         head, tail = self._tools_wording
         return head + tools_json_lines(tools) + tail
 
-    def _generation_prompt(self) -> list[Segment]:  # type: ignore[override]
+    def _generation_prompt(self) -> list[Segment]:
         segments = [special(IM_START), text("assistant\n")]
         if not self.enable_thinking:
             segments.append(Segment("body", EMPTY_THINK))
@@ -180,36 +187,23 @@ class Qwen3Renderer(ChatMLRenderer):
     def _layout(self, messages: Sequence[Message], tools: Sequence[dict] | None, start: bool) -> list[Segment]:
         segments: list[Segment] = []
         rest = list(messages)
+        last_query = None  # continuing: earlier queries are not in view; see continue_prompt
         if start:
-            has_system = bool(rest) and rest[0].role == "system"
-            if tools:
-                prefix = f"{rest[0].content}\n\n" if has_system else ""
-                segments += self._message_segments("system", prefix + self._tools_block(tools))
-            elif has_system:
-                segments += self._message_segments("system", rest[0].content)
-            if has_system:
-                rest = rest[1:]
+            system, rest = split_system_message(rest, self._tools_block(tools) if tools else None)
+            if system is not None:
+                segments += self._message_segments("system", system)
             # The template's last real user query (messages after it keep their reasoning).
             last_query = next((i for i in range(len(rest) - 1, -1, -1) if _is_query(rest[i])), None)
-        else:
-            last_query = None  # continuing: earlier queries are not in view; see continue_prompt
-        i = 0
-        while i < len(rest):
-            message = rest[i]
+        for i, turn in group_tool_runs(rest):
+            message = turn[0]
             if message.role == "tool":
-                responses: list[str] = []
-                while i < len(rest) and rest[i].role == "tool":
-                    responses.append(f"\n{_TOOL_RESPONSE_OPEN}\n{rest[i].content}\n{_TOOL_RESPONSE_CLOSE}")
-                    i += 1
-                segments += [special(IM_START), text("user" + "".join(responses)), special(IM_END), text("\n")]
-                continue
-            if message.role == "assistant":
+                segments += self._message_segments("user", tool_responses(turn))
+            elif message.role == "assistant":
                 keep = start and (i > last_query if last_query is not None else False)
                 body = self.assistant_body(message, keep_reasoning=keep, last=start and i == len(rest) - 1)
-                segments += [special(IM_START), text("assistant\n"), Segment("body", body), special(IM_END), text("\n")]
+                segments += self._assistant_segments(body)
             else:
                 segments += self._message_segments(message.role, message.content)
-            i += 1
         return segments
 
     # -- tokens ----------------------------------------------------------------------------------
@@ -230,37 +224,18 @@ class Qwen3Renderer(ChatMLRenderer):
 
     def parse_completion(self, completion_ids: Sequence[int]) -> ParsedCompletion:
         parsed = super().parse_completion(completion_ids)  # stops, bad ids, decoding, calls
-        decoded = self._decode_until_stop(completion_ids)
-        parts = split_reasoning(decoded)
+        parts = split_reasoning(self.decode_until_stop(completion_ids).text)
         if parts is None:
             return parsed
         reasoning, answer = parts
         # Calls are read from the answer only: a <tool_call> written while thinking is not a call.
-        message, call_errors = parse_assistant_text(answer)
+        message, call_errors = self._parse_assistant_text(answer)
         token_errors = tuple(e for e in parsed.errors if not e.startswith(("Tool call", "Found </tool_call>")))
         return ParsedCompletion(
             message=message.model_copy(update={"content": with_reasoning(reasoning, message.content)}),
             errors=token_errors + call_errors,
             ended_with_eot=parsed.ended_with_eot,
         )
-
-    def _decode_until_stop(self, completion_ids: Sequence[int]) -> str:
-        stops = set(self.stop_token_ids)
-        kept: list[int] = []
-        for raw_token in completion_ids:
-            try:
-                token = operator.index(raw_token)
-            except TypeError:
-                continue
-            if isinstance(raw_token, bool) or not 0 <= token < self._vocab_size:
-                continue
-            if token in stops:
-                break
-            kept.append(token)
-        try:
-            return self.tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        except Exception:  # noqa: BLE001 - reported by the base parse already
-            return ""
 
     # -- history ---------------------------------------------------------------------------------
     def _assistant_spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tracegym.render.chatml import ChatMLRenderer, Segment, tools_block
+from tracegym.render.base import Segment
+from tracegym.render.chatml import ChatMLRenderer, tools_block
 from tracegym.types import Message
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -45,7 +46,7 @@ class SmolLM2Renderer(ChatMLRenderer):
                     rest = rest[1:]
         for message in rest:
             if message.role == "assistant":
-                segments += self._assistant_segments(message)
+                segments += self._assistant_segments(self._assistant_text(message))
             else:
                 segments += self._message_segments(message.role, message.content)
         return segments

@@ -54,34 +54,41 @@ def tools_json_lines(tools: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -
     return "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
 
 
-def _snippet(text: str) -> str:
-    text = text.strip()
-    if len(text) > _SNIPPET_CHARS:
-        return text[:_SNIPPET_CHARS] + "..."
-    return text
+def snippet(value: str) -> str:
+    """``value`` stripped, cut to ``_SNIPPET_CHARS`` characters, for quoting in an error text."""
+    value = value.strip()
+    if len(value) > _SNIPPET_CHARS:
+        return value[:_SNIPPET_CHARS] + "..."
+    return value
 
 
-def _error(index: int, problem: str) -> str:
-    return f"Tool call {index + 1}: {problem}. {EXPECTED_FORMAT}"
+def call_error(index: int, problem: str, expected_format: str = EXPECTED_FORMAT) -> str:
+    """The error text of the ``index``-th call (from 0): the problem, then the expected format."""
+    return f"Tool call {index + 1}: {problem}. {expected_format}"
 
 
-def _parse_block(body: str, index: int) -> tuple[dict[str, Any] | None, str | None]:
-    """JSON text of one block -> ({"name", "arguments"}, None) or (None, error text)."""
-    stripped = body.strip()
-    if not stripped:
-        return None, _error(index, "the block is empty")
-    try:
-        obj = json.loads(stripped)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so are huge ints
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or type(exc).__name__
-        return None, _error(index, f"invalid JSON ({msg}) in {_snippet(stripped)!r}")
+def check_call_object(
+    obj: Any,
+    raw: str,
+    index: int,
+    call_id: str,
+    argument_keys: Sequence[str] = ("arguments",),
+    expected_format: str = EXPECTED_FORMAT,
+) -> tuple[ToolCall | None, str | None]:
+    """A decoded call -> (``ToolCall`` with ``raw`` and ``call_id``, None), or (None, error text).
+
+    The call must be an object with a non-empty string "name"; its arguments are read from the
+    first of ``argument_keys`` it holds (``{}`` when none) and must be an object or a string that
+    holds a JSON object. ``index`` numbers the call in error texts."""
     if not isinstance(obj, dict):
-        return None, _error(index, f"expected a JSON object, got {type(obj).__name__} {_snippet(stripped)!r}")
+        problem = f"expected a JSON object, got {type(obj).__name__} {snippet(raw)!r}"
+        return None, call_error(index, problem, expected_format)
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         problem = 'missing "name"' if "name" not in obj else f'"name" must be a non-empty string, got {name!r}'
-        return None, _error(index, problem)
-    arguments = obj.get("arguments", {})
+        return None, call_error(index, problem, expected_format)
+    label = argument_keys[0]
+    arguments = next((obj[key] for key in argument_keys if key in obj), {})
     if isinstance(arguments, str):
         # Some models (and the OpenAI wire format) give arguments as a JSON string: accept it when
         # it holds an object.
@@ -90,13 +97,26 @@ def _parse_block(body: str, index: int) -> tuple[dict[str, Any] | None, str | No
         except (ValueError, RecursionError):
             decoded = None
         if not isinstance(decoded, dict):
-            return None, _error(index, f'"arguments" of {name!r} is a string that is not a JSON object')
+            problem = f'"{label}" of {name!r} is a string that is not a JSON object'
+            return None, call_error(index, problem, expected_format)
         arguments = decoded
     if not isinstance(arguments, dict):
-        return None, _error(
-            index, f'"arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}'
-        )
-    return {"name": name, "arguments": arguments}, None
+        problem = f'"{label}" of {name!r} must be a JSON object, got {type(arguments).__name__}'
+        return None, call_error(index, problem, expected_format)
+    return ToolCall(name=name, arguments=arguments, raw=raw, id=call_id), None
+
+
+def _parse_block(body: str, index: int, call_id: str) -> tuple[ToolCall | None, str | None]:
+    """JSON text of one block -> (ToolCall, None) or (None, error text)."""
+    stripped = body.strip()
+    if not stripped:
+        return None, call_error(index, "the block is empty")
+    try:
+        obj = json.loads(stripped)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so are huge ints
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or type(exc).__name__
+        return None, call_error(index, f"invalid JSON ({msg}) in {snippet(stripped)!r}")
+    return check_call_object(obj, stripped, index, call_id)
 
 
 def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
@@ -122,18 +142,15 @@ def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
         end = text.find(TOOL_CALL_CLOSE, body_start)
         if end < 0:
             errors.append(
-                _error(block_index, f"<tool_call> is never closed by </tool_call>: {_snippet(text[body_start:])!r}")
+                call_error(block_index, f"<tool_call> is never closed by </tool_call>: {snippet(text[body_start:])!r}")
             )
             break
-        body = text[body_start:end]
-        parsed, error = _parse_block(body, block_index)
+        call, error = _parse_block(text[body_start:end], block_index, call_id=f"call_{len(calls)}")
         if error is not None:
             errors.append(error)
         else:
-            assert parsed is not None
-            calls.append(
-                ToolCall(name=parsed["name"], arguments=parsed["arguments"], raw=body.strip(), id=f"call_{len(calls)}")
-            )
+            assert call is not None
+            calls.append(call)
         block_index += 1
         pos = end + len(TOOL_CALL_CLOSE)
     pieces = [piece.strip() for piece in outside]
