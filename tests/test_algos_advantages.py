@@ -225,13 +225,13 @@ def test_episode_estimators_put_the_tensor_value_on_every_turn(name: str):
             assert out[g][i] == pytest.approx([float(flat[g * 4 + i])] * len(traj.turns), abs=1e-12)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "turn_rloo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "turn_rloo", "turn_grpo", "gigpo"])
 def test_equal_but_inexact_rewards_give_exactly_zero_and_no_signal(name: str):
     # 0.1 is not representable: the float mean of equal 0.1s differs from 0.1 in the last bits, which
     # GRPO's std division used to blow up (-0.0074 with eps=1e-6, -0.935 with eps=0).
     for reward in (0.1, 0.3, 1 / 3):
         groups = group_trajectories([_traj("t", k, [0.0, reward]) for k in range(7)])
-        for options in ({}, {"eps": 0.0}) if name in ("grpo", "reinforce", "turn_rloo") else ({},):
+        for options in ({}, {"eps": 0.0}) if name in ("grpo", "reinforce", "turn_rloo", "turn_grpo", "gigpo") else ({},):
             out = compute_advantages(name, groups, options)
             assert all(a == 0.0 for turns in out[0] for a in turns), (name, reward, options, out)
             assert not has_signal(out[0])
@@ -312,3 +312,58 @@ def test_per_turn_advantages_reach_the_tokens_of_their_turn():
     per_turn = compute_advantages("turn_rloo", groups)  # e0 G = [1, 1], e1 G = [0, 0] -> LOO [1, 1], [-1, -1]
     tokens = examples_from_groups(groups, _Renderer(), per_turn).examples[1].advantages
     assert tokens == (0, 0, 0, -1, -1, 0, 0, -1, -1)
+
+
+
+# --- GiGPO and per-turn GRPO (spec values: ../shared/SPECS.md section 1) ------------------------
+
+
+def _keyed(task: str, sample: int, turn_rewards: list[float], keys: list[str | None]) -> Trajectory:
+    traj = _traj(task, sample, turn_rewards)
+    turns = tuple(t.model_copy(update={"state_key": k}) for t, k in zip(traj.turns, keys))
+    return traj.model_copy(update={"turns": turns})
+
+
+def test_gigpo_spec_values_and_step_group_metrics():
+    from tracegym.algos import estimate
+
+    # two trajectories of one task, states [s0, s1] / [s0, s2], rewards [0, 1] / [0, 0]
+    groups = group_trajectories([_keyed("t", 0, [0.0, 1.0], ["s0", "s1"]), _keyed("t", 1, [0.0, 0.0], ["s0", "s2"])])
+    result = estimate("gigpo", groups, {"gamma": 1.0})
+    assert result.advantages == [[[1.0, 0.5], [-1.0, -0.5]]]
+    assert estimate("gigpo", groups).advantages[0] == [pytest.approx([0.975, 0.5]), pytest.approx([-0.975, -0.5])]
+    # two of the four turns share a state: sizes 2, 1, 2, 1
+    assert result.metrics == {"step_group_size": 1.5, "step_group_shared": 0.5}
+    # one trajectory per task: nothing to compare, all zeros
+    assert compute_advantages("gigpo", group_trajectories([_keyed("a", 0, [0.0, 1.0], ["s0", "s1"])])) == [[[0.0, 0.0]]]
+    # leave-one-out: episode part R_i - R_other = +-1, step part at s0 G - G_other = +-1 (gamma 1)
+    assert compute_advantages("gigpo", groups, {"gamma": 1.0, "leave_one_out": True}) == [[[2.0, 1.0], [-2.0, -1.0]]]
+    # omega weighs the step part: omega 0 leaves Dr. GRPO's episode advantage on every turn
+    assert compute_advantages("gigpo", groups, {"omega": 0.0}) == [[[0.5, 0.5], [-0.5, -0.5]]]
+    # std_norm: each part over its group's (population) std: episode std 0.5 -> +-1; s0 std 0.5 -> +-1
+    assert compute_advantages("gigpo", groups, {"gamma": 1.0, "std_norm": True, "eps": 0.0}) == [[[2.0, 1.0], [-2.0, -1.0]]]
+
+
+def test_gigpo_groups_turns_by_state_across_trajectories_and_turn_indices():
+    # the same state s reached at turn 1 of one trajectory and turn 0 of another forms one step group
+    groups = group_trajectories([_keyed("t", 0, [0.0, 0.0, 1.0], ["a", "s", "b"]), _keyed("t", 1, [0.0, 0.0], ["s", "c"]),
+                                 _keyed("t", 2, [0.0], [None])])
+    out = compute_advantages("gigpo", groups, {"gamma": 1.0})
+    # episode part: R = [1, 0, 0], mean 1/3 -> [2/3, -1/3, -1/3]; step group s = {G(0,1) = 1, G(1,0) = 0}, mean 1/2
+    assert out[0][0] == pytest.approx([2 / 3, 2 / 3 + 0.5, 2 / 3])
+    assert out[0][1] == pytest.approx([-1 / 3 - 0.5, -1 / 3])
+    assert out[0][2] == pytest.approx([-1 / 3])  # a turn without a state key is a step group of its own
+
+
+def test_turn_grpo_per_turn_returns_against_a_leave_one_out_episode_baseline():
+    # e0: turn rewards [1, 0] (G = [1, 0]); e1: [0, 0] (G = [0, 0]); e2: [0, 2] (G = [2, 2]); gamma 1
+    groups = group_trajectories([_traj("t", 0, [1.0, 0.0]), _traj("t", 1, [0.0, 0.0]), _traj("t", 2, [0.0, 2.0])])
+    # baselines: mean of the others' G_0: e0 (0+2)/2 = 1, e1 (1+2)/2 = 1.5, e2 (1+0)/2 = 0.5
+    assert compute_advantages("turn_grpo", groups) == [[[0.0, -1.0], [-1.5, -1.5], [1.5, 1.5]]]
+    # GRPO's form: the baseline is the mean of all G_0 (= 1) and std_norm divides by std(G_0) = 1
+    assert compute_advantages("turn_grpo", groups, {"leave_one_out": False, "std_norm": True, "eps": 0.0}) == [
+        [[0.0, -1.0], [-1.0, -1.0], [1.0, 1.0]]]
+    # terminal rewards, gamma 1: every turn carries R_i - mean_{j != i} R_j, i.e. RLOO
+    terminal = group_trajectories([_traj("u", k, [0.0, float(k % 3)]) for k in range(5)])
+    for mine, rloo in zip(compute_advantages("turn_grpo", terminal)[0], compute_advantages("rloo", terminal)[0]):
+        assert mine == pytest.approx(rloo, abs=1e-12)

@@ -427,3 +427,21 @@ def test_an_engine_without_sampled_logprobs_is_refused(tmp_path):
                   "eval.at_start=false")
     with pytest.raises(ValueError, match="does not return the log-probs"):
         train_rl(cfg)
+
+
+def test_gigpo_runs_from_the_cli_and_logs_its_step_group_size(tmp_path, capsys):
+    from tracegym.cli import main
+
+    config = tmp_path / "rl.yaml"
+    config.write_text(
+        "model: {name: tiny-random}\nlora: {r: 4}\nenv: {name: frozenlake, options: {size: 3, hole_fraction: 0.0}}\n"
+        "tasks: {train: 2, test: 1}\ntasks_per_step: 1\ngroup_size: 4\n"
+        "rollout: {max_turns: 3, max_tokens_per_turn: 4, concurrency: 8}\nsteps: 1\nskip_uniform_groups: false\n"
+        "eval: {at_start: false, every: 0}\nsave_rollouts: false\n"
+        f"output_dir: '{tmp_path / 'run'}'\nlogging: {{progress: false, tensorboard: false}}\n"
+    )
+    assert main(["rl", "--config", str(config), "advantage.estimator=gigpo", "advantage.options.gamma=0.9"]) == 0
+    row = read_metrics(tmp_path / "run")[-1]
+    # four samples of one task start on the same board: the first turns share a step group
+    assert row["advantage/step_group_size"] >= 2.0 and 0 < row["advantage/step_group_shared"] <= 1
+    assert row["examples/count"] == 4.0

@@ -25,8 +25,15 @@ from typing import Any
 from torch import Tensor
 
 # importing each module registers it
-from tracegym.algos import dr_grpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, turn_credit  # noqa: F401
-from tracegym.algos.advantages import TurnAdvantages, compute_advantages, estimator_problems, has_signal
+from tracegym.algos import dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, turn_credit  # noqa: F401
+from tracegym.algos.advantages import (
+    EstimatorResult,
+    TurnAdvantages,
+    compute_advantages,
+    estimate,
+    estimator_problems,
+    has_signal,
+)
 from tracegym.algos.dr_grpo import dr_grpo_advantages
 from tracegym.algos.grpo import grpo_advantages
 from tracegym.algos.reinforce import reinforce_advantages
@@ -58,8 +65,10 @@ __all__ = [
     "PolicyLossConfig",
     "Registry",
     "aggregate",
+    "EstimatorResult",
     "TurnAdvantages",
     "compute_advantages",
+    "estimate",
     "dr_grpo_advantages",
     "estimator_problems",
     "grpo_advantages",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -12,6 +13,15 @@ from tracegym.types import TrajectoryGroup
 
 TurnAdvantages = list[list[float]]
 """The advantages of one group: ``[trajectory][turn]``, one value per assistant turn."""
+
+
+@dataclass
+class EstimatorResult:
+    """What an estimator may return instead of the bare list: the advantages (``[group]`` of
+    ``TurnAdvantages``) and metrics to log (e.g. GiGPO's mean step-group size)."""
+
+    advantages: list[TurnAdvantages]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def check_rewards_and_groups(rewards: Tensor, group_ids: Tensor) -> None:

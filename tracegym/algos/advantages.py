@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from tracegym.algos._groups import TurnAdvantages
+from tracegym.algos._groups import EstimatorResult, TurnAdvantages
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
 from tracegym.types import TrajectoryGroup
 
@@ -52,10 +52,11 @@ def _option_problems(error: ValidationError, model: type[BaseModel], where: str)
     return problems
 
 
-def compute_advantages(
+def estimate(
     name: str, groups: Sequence[TrajectoryGroup], options: dict[str, Any] | BaseModel | None = None
-) -> list[TurnAdvantages]:
-    """Run the estimator registered as ``name`` with ``options``; returns ``[group][trajectory][turn]``.
+) -> EstimatorResult:
+    """Run the estimator registered as ``name`` with ``options``: advantages ``[group][trajectory][turn]``
+    and the estimator's metrics (an estimator returns either the bare list or an ``EstimatorResult``).
 
     Raises ``KeyError`` for an unknown name (with the registered names), ``ValueError`` for bad
     options, and ``ValueError`` when the estimator returns the wrong shape or a non-finite value
@@ -67,8 +68,18 @@ def compute_advantages(
     except ValidationError as error:
         raise ValueError("; ".join(_option_problems(error, entry.options, f"estimator {name!r} options"))) from None
     out = entry(list(groups), opts)
+    metrics: dict[str, float] = {}
+    if isinstance(out, EstimatorResult):
+        out, metrics = out.advantages, {k: float(v) for k, v in out.metrics.items()}
     check_advantages(name, groups, out)
-    return [[[float(a) for a in turns] for turns in group] for group in out]
+    return EstimatorResult([[[float(a) for a in turns] for turns in group] for group in out], metrics)
+
+
+def compute_advantages(
+    name: str, groups: Sequence[TrajectoryGroup], options: dict[str, Any] | BaseModel | None = None
+) -> list[TurnAdvantages]:
+    """The advantages of ``estimate`` (``[group][trajectory][turn]``), without the metrics."""
+    return estimate(name, groups, options).advantages
 
 
 def check_advantages(name: str, groups: Sequence[TrajectoryGroup], advantages: Any) -> None:
@@ -98,4 +109,12 @@ def has_signal(advantages: TurnAdvantages) -> bool:
     return any(a != 0.0 for turns in advantages for a in turns)
 
 
-__all__ = ["TurnAdvantages", "check_advantages", "compute_advantages", "estimator_problems", "has_signal"]
+__all__ = [
+    "EstimatorResult",
+    "TurnAdvantages",
+    "check_advantages",
+    "compute_advantages",
+    "estimate",
+    "estimator_problems",
+    "has_signal",
+]

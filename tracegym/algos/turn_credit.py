@@ -1,5 +1,6 @@
 """Turn-level credit assignment for multi-turn episodes: discounted returns per turn, baselined
-within the group at the same turn index (registered as the estimator ``turn_rloo``).
+within the group at the same turn index (registered as the estimator ``turn_rloo``), or against the
+group's whole-episode returns (``turn_grpo``).
 
 An episode ``i`` has ``K_i`` assistant turns with rewards ``r_{i,0..K_i-1}`` (``Turn.reward``; the
 final reward usually lands on the last turn). The return of turn ``k`` is the discounted sum of
@@ -112,3 +113,42 @@ def turn_rloo(
         rewards, mask, ids, gamma=gamma, normalize_std=normalize_std, eps=eps, leave_one_out=leave_one_out
     )
     return unflatten_turns(groups, advantages)
+
+
+@ADVANTAGE_ESTIMATORS.register("turn_grpo")
+def turn_grpo(
+    groups: Sequence[TrajectoryGroup],
+    *,
+    gamma: float = 1.0,
+    leave_one_out: bool = True,
+    std_norm: bool = False,
+    eps: float = 1e-6,
+) -> list[TurnAdvantages]:
+    """Per-turn GRPO: ``A_{i,t} = (G_{i,t} - b_i) / sigma``, each turn's return-to-go against a
+    baseline of whole-episode returns ``G_{j,0}`` of the group (after OpenTinker's per-step GRPO).
+
+    ``leave_one_out=True`` (default, unbiased): ``b_i = mean_{j != i} G_{j,0}``, built from the other
+    episodes only, so it does not depend on episode ``i``'s actions. ``False``: ``b_i`` includes
+    ``G_{i,0}`` (GRPO's form, biased by ``(n-1)/n`` on the own-episode term). ``std_norm`` divides by
+    the std of ``G_{.,0}`` over the group (biased; 0 advantage for an all-equal group). With
+    ``gamma=1`` and one terminal reward, ``G_{i,t} = R_i`` and this equals ``rloo`` (``grpo`` with
+    ``leave_one_out=False, std_norm=True``). A group of one gets 0.
+    """
+    out: list[TurnAdvantages] = []
+    for group in groups:
+        rewards, mask, _ = turn_reward_matrix([group])
+        returns = discounted_turn_returns(rewards, mask, gamma)  # [N, K]
+        n = returns.shape[0]
+        start = returns[:, 0]  # [N] whole-episode returns
+        every_return_equal = bool((returns[mask > 0] == start[0]).all())
+        if n < 2 or every_return_equal:  # nothing to compare (and exactly 0, whatever the float means say)
+            out.append([[0.0] * len(t.turns) for t in group.trajectories])
+            continue
+        total = start.sum()
+        baseline = (total - start) / (n - 1) if leave_one_out else total.expand(n) / n  # [N]
+        advantages = (returns - baseline.unsqueeze(1)) * mask
+        if std_norm:
+            std = start.std(correction=1)
+            advantages = advantages / (std + eps) if std > 0 else torch.zeros_like(advantages)
+        out.append([[float(a) for a in advantages[i, : len(t.turns)]] for i, t in enumerate(group.trajectories)])
+    return out

@@ -5,7 +5,7 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
     tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
     groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task, per-turn rewards
     groups  = kl_in_reward(...)                             # optional: -beta * KL(pi || ref) on the last turn
-    adv     = compute_advantages(estimator, groups)         # one advantage per turn of every trajectory
+    adv     = estimate(estimator, groups).advantages        # one advantage per turn of every trajectory
     data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage on that turn's sampled tokens
     batch   = score_batch(model, ref, make_batch(data))     # old / reference log-probs where the loss needs them
     metrics = policy_update(model, batch, loss, optimizer)  # per-token loss; masks, TIS, aggregation, KL once
@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tracegym.algos import compute_advantages, estimator_problems, has_signal
+from tracegym.algos import estimate, estimator_problems, has_signal
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.kl import kl_per_token
 from tracegym.batch import examples_from_groups, make_batch
@@ -276,7 +276,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             t_start = time.perf_counter()
             # 1. collect: groups of the current policy; with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
-            groups, results, advantages, rounds, kl_penalty = [], [], [], 0, 0.0
+            groups, results, advantages, rounds, kl_penalty, estimator_metrics = [], [], [], 0, 0.0, []
             try:
                 while True:
                     tasks = tasks_at(train_tasks, cfg.seed, cursor, cfg.tasks_per_step)
@@ -288,7 +288,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                         new, kl_penalty = kl_in_reward(new, model, reference, renderer, loss_cfg, pad_token_id=pad_id,
                                                        micro_batch_size=cfg.micro_batch_size, temperature=temperature)
                     groups, results = groups + new, results + [result]
-                    advantages += compute_advantages(cfg.advantage.estimator, new, cfg.advantage.options)
+                    estimated = estimate(cfg.advantage.estimator, new, cfg.advantage.options)
+                    advantages += estimated.advantages
+                    estimator_metrics.append(estimated.metrics)
                     with_signal = sum(has_signal(a) for a in advantages)
                     if rounds >= cfg.resample_rounds or with_signal >= cfg.tasks_per_step:
                         break
@@ -301,6 +303,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                             "groups/resample_rounds": float(rounds)})
             if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                 metrics["reward/kl_penalty"] = kl_penalty
+            for key in sorted({k for m in estimator_metrics for k in m}):  # e.g. GiGPO's step-group size, per round
+                values = [m[key] for m in estimator_metrics if key in m]
+                metrics[f"advantage/{key}"] = sum(values) / len(values)
 
             # 3. examples: each turn's advantage on the tokens sampled in that turn (mask 0 elsewhere)
             skip = [cfg.skip_uniform_groups and not has_signal(a) for a in advantages]
