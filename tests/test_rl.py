@@ -445,3 +445,14 @@ def test_gigpo_runs_from_the_cli_and_logs_its_step_group_size(tmp_path, capsys):
     # four samples of one task start on the same board: the first turns share a step group
     assert row["advantage/step_group_size"] >= 2.0 and 0 < row["advantage/step_group_shared"] <= 1
     assert row["examples/count"] == 4.0
+
+
+def test_info_gain_scores_turns_and_trains(tmp_path):
+    # LetterEnv asks again after a miss: two-turn episodes, so the first turn gets an info-gain score
+    cfg = _config(tmp_path / "run", "advantage.estimator=info_gain", "advantage.intrinsic=info_gain", "steps=1",
+                  "eval.at_start=false", "eval.every=0", "tasks.test=1")
+    (row,) = _steps(train_rl(cfg).run_dir)
+    assert row["advantage/info_gain_abs_mean"] > 0 and 0 < row["advantage/gate_mean"] < 1
+    assert row["examples/count"] > 0 and row["train/grad_norm"] > 0
+    with pytest.raises(Exception, match="intrinsic: info_gain"):
+        _config(tmp_path / "bad", "advantage.estimator=info_gain")

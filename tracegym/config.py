@@ -322,6 +322,20 @@ class AdvantageConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, validated by its options model (e.g. ``gamma: 0.9`` for turn_rloo)."""
 
+    intrinsic: Literal["none", "info_gain"] = "none"
+    """A model-aware scoring step before the estimator: ``info_gain`` (InfoPO) scores every turn by how
+    much its observation changes the log-prob of the next action versus ``placeholder`` (two extra
+    forward passes per turn with a next turn); the ``info_gain`` estimator needs it. Biased."""
+
+    placeholder: str = "No information found."
+    """The neutral observation ``info_gain`` compares each real observation with."""
+
+    @model_validator(mode="after")
+    def _intrinsic_for_info_gain(self) -> "AdvantageConfig":
+        if self.estimator == "info_gain" and self.intrinsic != "info_gain":
+            raise ValueError("advantage.estimator info_gain needs the scores of advantage.intrinsic: info_gain")
+        return self
+
 
 class RLEvalConfig(_Section):
     every: int = Field(10, ge=0)

@@ -35,6 +35,7 @@ from tracegym.algos.advantages import (
     has_signal,
 )
 from tracegym.algos.dr_grpo import dr_grpo_advantages
+from tracegym.algos.info_gain import info_gain_scores  # registers the "info_gain" estimator
 from tracegym.algos.grpo import grpo_advantages
 from tracegym.algos.reinforce import reinforce_advantages
 from tracegym.algos.rloo import rloo_advantages
@@ -73,6 +74,7 @@ __all__ = [
     "estimator_problems",
     "grpo_advantages",
     "has_signal",
+    "info_gain_scores",
     "reinforce_advantages",
     "rloo_advantages",
     "compute_policy_loss",

@@ -281,6 +281,7 @@ class CalculatorEnv(ToolEnv):
     name = "calculator"
     description = "Arithmetic word problems needing 1..N dependent calculator calls; answer <answer>N</answer>."
     reward_range = (0.0, 1.0)
+    branchable = True  # the episode's state (task, tool results, ToolEnv counters) is plain data
 
     def __init__(
         self, num_calls: int | Sequence[int] | str = (1, 4), max_turns: int | None = None, test_fraction: float = 0.2,

@@ -113,6 +113,7 @@ class _GridEnv(ToolEnv):
 
     game: str = "grid"
     system_prompt: str = ""
+    branchable = True  # the board, the agent (and boxes) and the ToolEnv counters are plain data
 
     def __init__(self, max_turns: int | None, test_fraction: float) -> None:
         if not 0.0 < test_fraction < 1.0:

@@ -249,6 +249,10 @@ class SearchEnv(ToolEnv):
     name = "search"
     description = "Offline search-and-browse (search, open, find) for 1-4 hop questions over a generated encyclopedia."
     default_max_turns = 20
+    # The episode's state is the task and the calls made; the corpus and its BM25 index are shared
+    # read-only by every instance of the same corpus, so a snapshot refers to them, never copies them.
+    branchable = True
+    snapshot_exclude = ("_backend",)
 
     def __init__(
         self,
@@ -277,6 +281,14 @@ class SearchEnv(ToolEnv):
         if self._backend is None:
             self._backend = get_backend(self.corpus_size, self.corpus_seed)
         return self._backend
+
+    def restore_state(self, state: Any) -> None:
+        corpus = (self.corpus_size, self.corpus_seed)
+        super().restore_state(state)
+        if (self.corpus_size, self.corpus_seed) != corpus:  # not the options this instance was built with
+            self._backend = None
+        if self.task is not None:
+            _ = self.backend  # as in reset: load the index now, not inside a tool call (which has a timeout)
 
     # -- tasks --
 

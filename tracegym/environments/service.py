@@ -342,6 +342,9 @@ class ServiceEnv(ToolEnv):
     name = "service"
     description = "Stateful customer-service backend (orders, refunds, exchanges) with a policy and a simulated customer."
     default_max_turns = 30
+    # The backend (database, confirmations, violations) and the simulated user are plain data on the
+    # instance (a rule-based user with no RNG): the generic deep copy captures the whole episode.
+    branchable = True
 
     def __init__(self, kinds: list[str] | tuple[str, ...] | None = None, require_confirmation: bool = True,
                  max_turns: int | None = None, max_tool_output_chars: int | None = None) -> None:

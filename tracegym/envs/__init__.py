@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from tracegym.envs.base import Env, Task
+from tracegym.envs.base import Env, EnvSnapshot, SnapshotUnsupported, Task
 from tracegym.envs.check import CheckReport, EnvCheckError, check_env
 from tracegym.envs.episode import (
     Action,
@@ -38,6 +38,7 @@ __all__ = [
     "CheckReport",
     "ContextExhausted",
     "Env",
+    "EnvSnapshot",
     "EnvCheckError",
     "EnvLoadError",
     "MCPServerConfig",
@@ -58,6 +59,7 @@ __all__ = [
     "register",
     "run_episode",
     "run_episodes",
+    "SnapshotUnsupported",
     "check_env",
     "close_shared_providers",
     "tool",

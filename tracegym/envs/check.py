@@ -17,6 +17,11 @@ Checks, each reported by name:
   truncated are never both set, and the final step's info has ``success``.
 - ``truncation``: a policy that never finishes (it keeps calling an unknown tool) is cut with
   ``truncated=True`` (not ``terminated``) within the env's ``max_turns``.
+- ``branching`` (envs whose ``can_branch`` is True; the others are reported as skipped, which is
+  not a failure): on a few test tasks the expert plays some steps, the env is snapshotted, and the
+  expert plays on to the end; the snapshot restored into a fresh instance and into the same
+  (finished) instance gives back the same ``state_key()`` and the same expert action, and replaying
+  the recorded actions gives identical observations, rewards, termination and info counters.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class CheckReport:
     env: str
     passed: list[str] = field(default_factory=list)
     failures: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # check -> why it does not apply (not a failure)
     expert_success_rate: float = 0.0
 
     @property
@@ -62,6 +68,8 @@ class CheckReport:
         lines = [f"check_env({self.env}): {'OK' if self.ok else 'FAILED'}; expert success {self.expert_success_rate:.1%}"]
         for name in self.passed:
             lines.append(f"  pass  {name}")
+        for name, why in self.skipped.items():
+            lines.append(f"  skip  {name}: {why}")
         for name, problems in self.failures.items():
             for problem in problems[:5]:
                 lines.append(f"  FAIL  {name}: {problem}")
@@ -219,6 +227,88 @@ async def _interleaved_traces(env_a: Env, task_a: Task, env_b: Env, task_b: Task
         if not any(active):
             break
     return traces
+
+
+# The info entries a restored episode must reproduce: the outcome and ToolEnv's counters.
+_BRANCH_INFO_KEYS = ("success", "turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors", "tool_output_truncated")
+
+
+def _branch_record(step: StepResult) -> tuple[Any, ...]:
+    info = {k: step.info[k] for k in _BRANCH_INFO_KEYS if k in step.info}
+    return (step.messages, step.reward, step.terminated, step.truncated, info)
+
+
+def _branch_difference(expected: tuple[Any, ...], got: tuple[Any, ...]) -> str:
+    names = ("observation", "reward", "terminated", "truncated", "info counters")
+    for name, a, b in zip(names, expected, got):
+        if a != b:
+            shown_a, shown_b = (
+                ([m.content[:80] for m in a], [m.content[:80] for m in b]) if name == "observation" else (a, b)
+            )
+            return f"{name} {shown_b!r} instead of {shown_a!r}"
+    return "no difference"
+
+
+def _can_branch(env: Any) -> tuple[bool, str]:
+    """(can branch, why not) of any env object, Env subclass or not."""
+    refusal = getattr(env, "branch_refusal", None)
+    if refusal is None or not hasattr(env, "snapshot") or not hasattr(env, "restore"):
+        return False, f"env {getattr(env, 'name', type(env).__name__)!r} cannot branch: it does not implement snapshot/restore"
+    reason = refusal()
+    if reason is None:
+        return True, ""
+    return False, f"env {getattr(env, 'name', type(env).__name__)!r} ({type(env).__name__}) cannot branch: {reason}"
+
+
+async def _branching_problems(factory: Callable[[], Env], task: Task, limit: int, at: str) -> list[str]:
+    """Snapshot the expert's episode on ``task`` (``at``: "start", "middle" or "last", the step
+    before the end), play on, then restore into a fresh and into the same instance and replay."""
+    where = f"task {task.id}"
+    length = len(await _expert_trace(factory(), task, limit))
+    prefix = {"start": 0, "middle": length // 2, "last": max(length - 1, 0)}[at]
+    env = factory()
+    await env.reset(task)
+    for _ in range(prefix):
+        await env.step(env.expert_action())
+    try:
+        snap = env.snapshot()
+    except Exception as exc:
+        return [f"{where}: snapshot() after {prefix} expert steps raised {type(exc).__name__}: {exc}"]
+    key = _state_key(env)
+    actions: list[Message] = []
+    records: list[tuple[Any, ...]] = []
+    for _ in range(limit):
+        message = env.expert_action()
+        step = await env.step(message)
+        actions.append(message)
+        records.append(_branch_record(step))
+        if step.terminated or step.truncated:
+            break
+    problems: list[str] = []
+    fresh = factory()
+    # The same instance, now at the end of its episode, must come back too (the snapshot was not
+    # changed by the steps after it), and so must a fresh instance that never saw a reset.
+    for label, target in (("a fresh instance", fresh), ("the same instance", env)):
+        try:
+            target.restore(snap)
+        except Exception as exc:
+            problems.append(f"{where}: restore into {label} raised {type(exc).__name__}: {exc}")
+            continue
+        if _state_key(target) != key:
+            problems.append(f"{where}: restored into {label}, state_key() {_state_key(target)!r} differs from {key!r}")
+        if actions and target.expert_action() != actions[0]:
+            problems.append(f"{where}: restored into {label} after {prefix} steps, the expert's next action differs")
+        for i, message in enumerate(actions):
+            got = _branch_record(await target.step(message))
+            if got != records[i]:
+                problems.append(
+                    f"{where}: restored into {label} after {prefix} steps, replayed step {i + 1} gave "
+                    f"{_branch_difference(records[i], got)}"
+                )
+                break
+    fresh.close()
+    env.close()
+    return problems
 
 
 def _step_problems(step: StepResult, reward_range: tuple[float, float], where: str) -> list[str]:
@@ -396,11 +486,24 @@ async def acheck_env(
                 problems.append(f"idle episode was truncated at turn {turn}, expected max_turns={max_turns}")
         return problems
 
-    for check in (determinism, disjoint_splits, tool_schemas, bad_calls, isolation, expert, truncation):
+    async def branching() -> list[str] | None:
+        # snapshot/restore round trips; None (skipped) for an env that cannot branch.
+        supported, why = _can_branch(factory())
+        if not supported:
+            report.skipped["branching"] = why
+            return None
+        problems: list[str] = []
+        for task, at in zip(test, ("middle", "start", "last")):
+            problems += await _branching_problems(factory, task, limit, at)
+        return problems
+
+    for check in (determinism, disjoint_splits, tool_schemas, bad_calls, isolation, expert, truncation, branching):
         try:
             problems = await check()
         except Exception as exc:  # a crashing env is a failed check, reported with the others
             problems = [f"raised {type(exc).__name__}: {exc}"]
+        if problems is None:  # the check does not apply to this env (see report.skipped)
+            continue
         if problems:
             for problem in problems:
                 report.fail(check.__name__, problem)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import functools
 import inspect
 import json
@@ -34,6 +35,7 @@ import re
 import threading
 import types
 import typing
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, Union
 
@@ -295,7 +297,9 @@ def extract_answer(text: str) -> str | None:
 # --- the tool environment -------------------------------------------------------------------------
 
 
-def _call_in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> asyncio.Future[Any]:
+def _call_in_daemon_thread(
+    fn: Callable[..., Any], kwargs: dict[str, Any], name: str, started: list[threading.Thread] | None = None
+) -> asyncio.Future[Any]:
     """Run a blocking ``fn(**kwargs)`` on a new daemon thread; its outcome lands in the returned future.
 
     Why not ``asyncio.to_thread``: it uses the loop's default executor, a bounded pool of non-daemon
@@ -329,7 +333,10 @@ def _call_in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name:
         except RuntimeError:  # the loop is closed: nobody waits for this result any more
             pass
 
-    threading.Thread(target=work, name=f"tracegym-tool-{name}", daemon=True).start()
+    thread = threading.Thread(target=work, name=f"tracegym-tool-{name}", daemon=True)
+    thread.start()
+    if started is not None:
+        started.append(thread)
     return future
 
 
@@ -353,6 +360,37 @@ def _format_result(result: Any) -> str:
     return str(result)
 
 
+# Sync tool calls that timed out but whose thread still runs (Python cannot stop it), per env: they
+# may still change the env's state, so the env refuses to branch until they finish. Kept outside
+# the instance so that they are never part of a snapshot's state.
+_STRAY_TOOL_CALLS: dict[int, list[tuple[str, threading.Thread]]] = {}  # id(env) -> calls, until the env is collected
+_STRAY_LOCK = threading.Lock()
+
+
+def _note_stray_calls(env: Any, name: str, threads: list[threading.Thread]) -> None:
+    alive = [(name, t) for t in threads if t.is_alive()]
+    if not alive:
+        return
+    with _STRAY_LOCK:
+        if id(env) not in _STRAY_TOOL_CALLS:
+            weakref.finalize(env, _forget_stray_calls, id(env))
+        _STRAY_TOOL_CALLS.setdefault(id(env), []).extend(alive)
+
+
+def _forget_stray_calls(key: int) -> None:
+    with _STRAY_LOCK:
+        _STRAY_TOOL_CALLS.pop(key, None)
+
+
+def _stray_calls(env: Any) -> list[str]:
+    """Names of the timed-out sync tool calls of ``env`` whose threads still run."""
+    with _STRAY_LOCK:
+        calls = [(name, t) for name, t in _STRAY_TOOL_CALLS.get(id(env), []) if t.is_alive()]
+        if id(env) in _STRAY_TOOL_CALLS:
+            _STRAY_TOOL_CALLS[id(env)] = calls  # the finalizer still removes the entry
+        return [name for name, _ in calls]
+
+
 class ToolEnv(Env):
     """An environment whose actions are tool calls.
 
@@ -363,7 +401,22 @@ class ToolEnv(Env):
 
     A tool may end the episode (the goal is reached, the agent fell in a hole) by calling
     :meth:`end_episode`; calls after it in the same message are answered with an error and not run.
+
+    Branching: a subclass whose episode state is plain Python data on the instance opts in with
+    ``branchable = True`` (listing shared read-only resources in ``snapshot_exclude``); the
+    generic :meth:`Env.snapshot` then also captures this class's bookkeeping (``turn``, ``done``,
+    the pending end of episode, the ``counters`` of tool calls, errors, timeouts, parse errors and
+    cut outputs, ``max_turns``), so a restored episode reports the same counters and is truncated at
+    the same turn. A subclass with its own ``snapshot_state``/``restore_state`` includes
+    :meth:`tool_bookkeeping` and :meth:`restore_tool_bookkeeping`. An env refuses to branch while a
+    timed-out sync tool call still runs in its thread, and MCP-backed envs (:class:`MCPToolEnv`)
+    refuse: their servers' state lives in other processes.
     """
+
+    #: The attributes of this class's per-episode bookkeeping (part of every snapshot).
+    TOOL_BOOKKEEPING: tuple[str, ...] = (
+        "turn", "done", "_pending_end", "counters", "_episode_started", "max_turns", "max_tool_output_chars",
+    )
 
     default_max_turns: int = 10
     default_max_tool_output_chars: int = 16_000
@@ -411,6 +464,34 @@ class ToolEnv(Env):
             "tool_output_truncated": 0,
         }
 
+    # -- branching --
+
+    def branch_refusal(self) -> str | None:
+        reason = super().branch_refusal()
+        if reason is not None:
+            return reason
+        from tracegym.envs.mcp import MCPToolEnv  # here: mcp imports this module
+
+        if isinstance(self, MCPToolEnv):
+            return (
+                f"its tools are served by MCP server processes (scope={getattr(self, 'mcp_scope', '?')!r}) "
+                "whose state a snapshot cannot capture or restore"
+            )
+        stray = _stray_calls(self)
+        if stray:
+            return f"a timed-out call of tool '{stray[0]}' still runs in the background and may still change the env's state"
+        return None
+
+    def tool_bookkeeping(self) -> dict[str, Any]:
+        """A deep copy of the turn counter, the done flag, the pending end and the tool counters."""
+        return {a: copy.deepcopy(self.__dict__[a]) for a in self.TOOL_BOOKKEEPING if a in self.__dict__}
+
+    def restore_tool_bookkeeping(self, state: dict[str, Any]) -> None:
+        """Set the bookkeeping from :meth:`tool_bookkeeping` (copied again: the argument stays usable)."""
+        for attr in self.TOOL_BOOKKEEPING:
+            if attr in state:
+                self.__dict__[attr] = copy.deepcopy(state[attr])
+
     # -- tools --
 
     @classmethod
@@ -456,13 +537,17 @@ class ToolEnv(Env):
             return error(f"invalid arguments for tool '{call.name}': {problem}.")
         spec: ToolSpec = getattr(fn, _TOOL_ATTR)
         bound = getattr(self, call.name)
+        started: list[threading.Thread] = []
         try:
             if inspect.iscoroutinefunction(fn):
                 result = await asyncio.wait_for(bound(**kwargs), timeout=spec.timeout)
             else:
-                result = await asyncio.wait_for(_call_in_daemon_thread(bound, kwargs, call.name), timeout=spec.timeout)
+                result = await asyncio.wait_for(
+                    _call_in_daemon_thread(bound, kwargs, call.name, started), timeout=spec.timeout
+                )
         except (asyncio.TimeoutError, TimeoutError):
             self.counters["tool_timeouts"] += 1
+            _note_stray_calls(self, call.name, started)
             return error(f"tool '{call.name}' timed out after {spec.timeout:g} s.")
         except asyncio.CancelledError:
             raise

@@ -5,6 +5,7 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
     tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
     groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task, per-turn rewards
     groups  = kl_in_reward(...)                             # optional: -beta * KL(pi || ref) on the last turn
+    groups  = score_info_gain(...)                          # optional (InfoPO): per-turn information gain
     adv     = estimate(estimator, groups).advantages        # one advantage per turn of every trajectory
     data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage on that turn's sampled tokens
     batch   = score_batch(model, ref, make_batch(data))     # old / reference log-probs where the loss needs them
@@ -14,7 +15,7 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
 
 Every piece is a function of its inputs, tested on its own. The math lives in registries that a
 user's module extends (``--plugin MODULE``): estimators map groups to per-turn advantages
-(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ...), losses map log-probs and
+(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ``turn_grpo``, ``gigpo``, ``info_gain``, ...), losses map log-probs and
 advantages to a per-token loss (``ppo_clip``, ``gspo``, ``policy_gradient``, ...).
 
 Groups whose advantages are all zero (equal rewards) carry no signal and are skipped
@@ -51,6 +52,7 @@ from tracegym.data.store import TrajectoryWriter
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
+from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters, is_peft_model, prepare_model
 from tracegym.train.optim import build_optimizer, build_scheduler
@@ -287,6 +289,10 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                         new, kl_penalty = kl_in_reward(new, model, reference, renderer, loss_cfg, pad_token_id=pad_id,
                                                        micro_batch_size=cfg.micro_batch_size, temperature=temperature)
+                    if cfg.advantage.intrinsic == "info_gain":  # InfoPO: per-turn scores in Turn.metrics
+                        new = score_info_gain(new, model, renderer, placeholder=cfg.advantage.placeholder,
+                                              temperature=temperature, micro_batch_size=cfg.micro_batch_size,
+                                              pad_token_id=pad_id)
                     groups, results = groups + new, results + [result]
                     estimated = estimate(cfg.advantage.estimator, new, cfg.advantage.options)
                     advantages += estimated.advantages
