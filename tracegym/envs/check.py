@@ -264,7 +264,9 @@ async def _branching_problems(factory: Callable[[], Env], task: Task, limit: int
     """Snapshot the expert's episode on ``task`` (``at``: "start", "middle" or "last", the step
     before the end), play on, then restore into a fresh and into the same instance and replay."""
     where = f"task {task.id}"
-    length = len(await _expert_trace(factory(), task, limit))
+    probe = factory()
+    length = len(await _expert_trace(probe, task, limit))
+    probe.close()
     prefix = {"start": 0, "middle": length // 2, "last": max(length - 1, 0)}[at]
     env = factory()
     await env.reset(task)
