@@ -456,3 +456,15 @@ def test_info_gain_scores_turns_and_trains(tmp_path):
     assert row["examples/count"] > 0 and row["train/grad_norm"] > 0
     with pytest.raises(Exception, match="intrinsic: info_gain"):
         _config(tmp_path / "bad", "advantage.estimator=info_gain")
+
+
+def test_mc_continuation_branches_and_trains(tmp_path):
+    cfg = _config(tmp_path / "run", "advantage.estimator=mc_continuation", "advantage.intrinsic=mc_continuation",
+                  "advantage.mc_k=2", "advantage.mc_m=1", "advantage.mc_decision_turns=first", "steps=1",
+                  "advantage.mc_reach=replay",  # LetterEnv has no snapshot/restore but is deterministic
+                  "eval.at_start=false", "eval.every=0", "tasks.test=1", "tasks_per_step=2")
+    (row,) = _steps(train_rl(cfg).run_dir)
+    # every trajectory (2 tasks x 4) branches at its first turn: 2 actions x 1 continuation each
+    assert row["advantage/mc_decision_points"] == 8.0 and row["advantage/mc_scored"] == 8.0
+    assert row["advantage/mc_continuations"] == 16.0 and row["advantage/mc_failed_continuations"] == 0.0
+    assert row["examples/count"] == 8.0 and row["train/grad_norm"] > 0  # the scored turns carry signal

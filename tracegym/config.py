@@ -322,18 +322,34 @@ class AdvantageConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, validated by its options model (e.g. ``gamma: 0.9`` for turn_rloo)."""
 
-    intrinsic: Literal["none", "info_gain"] = "none"
-    """A model-aware scoring step before the estimator: ``info_gain`` (InfoPO) scores every turn by how
-    much its observation changes the log-prob of the next action versus ``placeholder`` (two extra
-    forward passes per turn with a next turn); the ``info_gain`` estimator needs it. Biased."""
+    intrinsic: Literal["none", "info_gain", "mc_continuation"] = "none"
+    """A scoring step before the estimator, which the estimator of the same name needs: ``info_gain``
+    (InfoPO) scores every turn by how much its observation changes the log-prob of the next action
+    versus ``placeholder`` (two extra forward passes per turn with a next turn; biased);
+    ``mc_continuation`` (VinePPO/C3) branches at decision turns: ``mc_k`` actions (the taken one
+    included) x ``mc_m`` continuations each, advantage = Q(taken) - mean Q(others) (unbiased; costly)."""
 
     placeholder: str = "No information found."
     """The neutral observation ``info_gain`` compares each real observation with."""
 
+    mc_k: int = Field(4, ge=2)
+    """``mc_continuation``: actions per decision turn, the taken one included."""
+
+    mc_m: int = Field(2, ge=1)
+    """``mc_continuation``: continuations played to the end per action."""
+
+    mc_decision_turns: Literal["all", "first"] | list[int] = "all"
+    """``mc_continuation``: which turns to branch at (turn indices, 0-based)."""
+
+    mc_reach: Literal["auto", "snapshot", "replay"] = "auto"
+    """``mc_continuation``: how a branch reaches its turn: ``Env.snapshot()/restore()`` or replaying
+    the recorded actions (checked); ``auto`` uses snapshots where the env supports them."""
+
     @model_validator(mode="after")
-    def _intrinsic_for_info_gain(self) -> "AdvantageConfig":
-        if self.estimator == "info_gain" and self.intrinsic != "info_gain":
-            raise ValueError("advantage.estimator info_gain needs the scores of advantage.intrinsic: info_gain")
+    def _intrinsic_for_its_estimator(self) -> "AdvantageConfig":
+        for name in ("info_gain", "mc_continuation"):
+            if self.estimator == name and self.intrinsic != name:
+                raise ValueError(f"advantage.estimator {name} needs the scores of advantage.intrinsic: {name}")
         return self
 
 

@@ -70,6 +70,8 @@ __all__ = [
     "RolloutStats",
     "RolloutResult",
     "LogprobGap",
+    "PrefixedEpisode",
+    "run_prefixed_episodes",
     "run_rollouts",
     "run_rollouts_sync",
     "logprob_gap",
@@ -266,13 +268,18 @@ class _RenderedPolicy:
     ``continue_prompt(previous prompt, previous completion ids, the env's answer)``. A prompt with
     no room left in ``max_context`` raises ``ContextExhausted``; the turn's token budget is the least
     of ``max_tokens_per_turn``, the episode's budget left and the context room.
+
+    ``prefix``: actions played verbatim on turns ``0 .. len(prefix)-1`` (their token data recorded
+    as given, no engine call) before the policy samples; the next prompt continues from the last
+    one's tokens (:func:`run_prefixed_episodes`).
     """
 
-    def __init__(self, runner: _Runner, env: Env):
+    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = ()):
         self.runner = runner
         self.env = env
         self.prompt: list[int] | None = None
         self.completion: list[int] = []
+        self.prefix = tuple(prefix)
 
     def _next_prompt(self, obs: Observation) -> list[int]:
         renderer = self.runner.renderer
@@ -287,6 +294,12 @@ class _RenderedPolicy:
             raise PolicyError(f"renderer.continue_prompt failed: {_describe(exc)}") from exc
 
     async def __call__(self, obs: Observation) -> Action:
+        if obs.turn < len(self.prefix):
+            forced = self.prefix[obs.turn]
+            if forced.tokens is None:
+                raise PolicyError(f"prefix action {obs.turn} has no token data")
+            self.prompt, self.completion = list(forced.tokens.prompt_ids), list(forced.tokens.completion_ids)
+            return forced
         cfg = self.runner.config
         prompt = self._next_prompt(obs)
         budget = cfg.max_tokens_per_turn
@@ -367,15 +380,19 @@ class _Runner:
         self.mode = _policy_mode(policy)
         self.batcher: _Batcher | None = None
 
-    async def episode(self, task: Task, sample_index: int, sem: asyncio.Semaphore) -> Trajectory:
-        """One episode through the shared loop; failed ones are zero-rewarded when configured."""
+    async def episode(
+        self, task: Task, sample_index: int, sem: asyncio.Semaphore, *,
+        make_env: Callable[[], Env] | None = None, prefix: Sequence[Action] = (),
+    ) -> Trajectory:
+        """One episode through the shared loop; failed ones are zero-rewarded when configured.
+        ``make_env`` replaces the runner's env factory, ``prefix`` is played first (``_RenderedPolicy``)."""
         cfg = self.config
         async with sem:
             if self.batcher is not None:
                 self.batcher.episode_started()
             try:
                 traj = await play_episode(
-                    self.env_factory, task, lambda env: _RenderedPolicy(self, env),
+                    make_env or self.env_factory, task, lambda env: _RenderedPolicy(self, env, prefix),
                     max_turns=cfg.max_turns, max_tokens=cfg.max_tokens_per_episode, timeout_s=cfg.episode_timeout_s,
                     sample_index=sample_index, env_name=self.env_name, policy_name=self.policy_name,
                 )
@@ -521,6 +538,82 @@ async def run_rollouts(
                 stats.logprob_gap.mean, stats.logprob_gap.max, stats.logprob_gap.tokens,
             )
     return RolloutResult(trajectories=trajectories, stats=stats, failed=[failed[i] for i in sorted(failed)])
+
+
+@dataclass(frozen=True)
+class PrefixedEpisode:
+    """One episode of :func:`run_prefixed_episodes`: ``task`` in an env from ``make_env`` (None: the
+    run's env), whose first ``len(prefix)`` turns are the given actions, played verbatim (token data
+    recorded as given, no engine call); the policy samples from then on."""
+
+    task: Task
+    prefix: tuple[Action, ...] = ()
+    make_env: Callable[[], Env] | None = None
+    sample_index: int = 0
+
+
+async def run_prefixed_episodes(
+    env: str | Callable[[], Env] | None,
+    episodes: Sequence[PrefixedEpisode],
+    policy: Any,
+    renderer: Any,
+    config: RolloutConfig | None = None,
+    *,
+    env_options: dict[str, Any] | None = None,
+    policy_name: str = "policy",
+) -> RolloutResult:
+    """Play ``episodes`` through the same loop, policy and batcher as :func:`run_rollouts` (all waiting
+    episodes share one ``generate`` call), each starting with its forced ``prefix`` (e.g. a recorded
+    trajectory's first turns, to branch from there). ``env`` (a name with ``env_options``, or a
+    factory) is used for episodes without their own ``make_env``.
+
+    Unlike ``run_rollouts``, ``trajectories`` holds every episode in the order given, failed ones
+    included (their ``end_reason`` says so; zero-rewarded with ``on_env_error="zero_reward"``);
+    ``failed`` repeats the failed ones. Stats: episodes, failed, end reasons, sampled tokens (the
+    prefixes' not counted), generate calls, batch size and wall time."""
+    config = config or RolloutConfig()
+    if isinstance(env, str):
+        from tracegym.envs import make
+
+        name, options = env, dict(env_options or {})
+        factory: Callable[[], Env] | None = lambda: make(name, **options)  # noqa: E731
+        env_name: str | None = name
+    else:
+        factory, env_name = env, None
+    if factory is None and any(e.make_env is None for e in episodes):
+        raise ValueError("run_prefixed_episodes: an episode without make_env needs env")
+    runner = _Runner(factory, env_name, policy, renderer, config, policy_name)  # type: ignore[arg-type]
+    if runner.mode != "token":
+        raise ValueError("run_prefixed_episodes needs a token engine (generate)")
+    runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
+    sem = asyncio.Semaphore(config.concurrency)
+    t0 = time.perf_counter()
+    batcher_task = asyncio.create_task(runner.batcher.run())
+    try:
+        trajectories = list(await asyncio.gather(*(
+            runner.episode(e.task, e.sample_index, sem, make_env=e.make_env, prefix=e.prefix) for e in episodes
+        )))
+    finally:
+        batcher_task.cancel()
+        try:
+            await batcher_task
+        except asyncio.CancelledError:
+            pass
+    wall = time.perf_counter() - t0
+    failed = [t for t in trajectories if t.end_reason in FAILED_END_REASONS]
+    # tokens the engine sampled: the forced prefix turns are not counted
+    generated = sum(len(turn.completion_ids) for t, e in zip(trajectories, episodes) for turn in t.turns[len(e.prefix):])
+    batcher = runner.batcher
+    stats = RolloutStats(
+        episodes=len(trajectories), kept=len(trajectories) - len(failed), failed=len(failed),
+        end_reasons=dict(Counter(t.end_reason for t in trajectories)),
+        errors=[f"{t.task_id}/{t.sample_index}: {t.end_reason}: {t.error}" for t in failed[:20]],
+        turns=sum(len(t.turns) for t in trajectories), generated_tokens=generated,
+        generate_calls=batcher.calls, mean_batch_size=batcher.rows / batcher.calls if batcher.calls else 0.0,
+        wall_time_s=wall, episodes_per_s=len(trajectories) / wall if wall > 0 else 0.0,
+        tokens_per_s=generated / wall if wall > 0 else 0.0,
+    )
+    return RolloutResult(trajectories=trajectories, stats=stats, failed=failed)
 
 
 def run_rollouts_sync(*args: Any, **kwargs: Any) -> RolloutResult:

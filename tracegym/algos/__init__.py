@@ -36,6 +36,7 @@ from tracegym.algos.advantages import (
 )
 from tracegym.algos.dr_grpo import dr_grpo_advantages
 from tracegym.algos.info_gain import info_gain_scores  # registers the "info_gain" estimator
+from tracegym.algos.mc_continuation import mc_scores  # registers the "mc_continuation" estimator
 from tracegym.algos.grpo import grpo_advantages
 from tracegym.algos.reinforce import reinforce_advantages
 from tracegym.algos.rloo import rloo_advantages
@@ -84,6 +85,7 @@ __all__ = [
     "kl_penalized_rewards",
     "kl_per_token",
     "masked_mean",
+    "mc_scores",
     "policy_loss_problems",
     "sft_loss",
     "truncated_importance_weights",

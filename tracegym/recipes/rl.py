@@ -4,6 +4,7 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
 
     tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
     groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task, per-turn rewards
+    groups  = score_mc_continuation(...)                    # optional (VinePPO/C3): branch, Q(taken) - mean Q(others)
     groups  = kl_in_reward(...)                             # optional: -beta * KL(pi || ref) on the last turn
     groups  = score_info_gain(...)                          # optional (InfoPO): per-turn information gain
     adv     = estimate(estimator, groups).advantages        # one advantage per turn of every trajectory
@@ -15,7 +16,7 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
 
 Every piece is a function of its inputs, tested on its own. The math lives in registries that a
 user's module extends (``--plugin MODULE``): estimators map groups to per-turn advantages
-(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ``turn_grpo``, ``gigpo``, ``info_gain``, ...), losses map log-probs and
+(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ``turn_grpo``, ``gigpo``, ``info_gain``, ``mc_continuation``, ...), losses map log-probs and
 advantages to a per-token loss (``ppo_clip``, ``gspo``, ``policy_gradient``, ...).
 
 Groups whose advantages are all zero (equal rewards) carry no signal and are skipped
@@ -51,6 +52,7 @@ from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
+from tracegym.rollout_branches import score_mc_continuation
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -285,6 +287,13 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     cursor += len(tasks)
                     new, result = collect_groups(sampler, cfg, tasks, renderer, writer=writer, gap_model=gap_model,
                                                  seed=cfg.seed * 1_000_003 + step + rounds * 7_919_007)
+                    if cfg.advantage.intrinsic == "mc_continuation":  # branch at decision turns: Q(taken) - mean Q(others)
+                        new, mc_stats = score_mc_continuation(
+                            new, sampler, renderer, cfg.env.name, cfg.env.options, tasks,
+                            decision_turns=cfg.advantage.mc_decision_turns, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
+                            config=RolloutConfig(**cfg.rollout.model_dump(exclude={"engine", "engine_options"})),
+                            seed=cfg.seed * 1_000_003 + step + rounds * 7_919_007 + 104_729, reach=cfg.advantage.mc_reach)
+                        estimator_metrics.append(mc_stats.metrics(prefix="mc_"))
                     # 2. optional KL penalty in the reward, then one advantage per turn of every trajectory
                     if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                         new, kl_penalty = kl_in_reward(new, model, reference, renderer, loss_cfg, pad_token_id=pad_id,
