@@ -42,11 +42,12 @@ interrupted by the timeout (``ToolEnv`` runs synchronous tools in threads for th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, AsyncIterator, Callable, Literal, Sequence
 
 from pydantic import ConfigDict, Field
 
@@ -420,6 +421,25 @@ def _progress_bar(total: int, enabled: bool):
     )
 
 
+@contextlib.asynccontextmanager
+async def _batching(runner: _Runner, policy: Any, config: RolloutConfig) -> AsyncIterator[None]:
+    """For a token engine: the batcher task gathering every waiting episode into one ``generate``
+    call, running while the block runs and cancelled after it (nothing for message-level policies)."""
+    if runner.mode != "token":
+        yield
+        return
+    runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
+    task = asyncio.create_task(runner.batcher.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
 async def run_rollouts(
     env: str | Callable[[], Env],
     tasks: Sequence[Task],
@@ -490,22 +510,12 @@ async def run_rollouts(
             bar.update(bar_task, advance=1, rates=f"{done / elapsed:.2f} ep/s  {generated / elapsed:.1f} tok/s")
 
         sem = asyncio.Semaphore(config.concurrency)
-        batcher_task: asyncio.Task | None = None
-        if runner.mode == "token":
-            runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
-            batcher_task = asyncio.create_task(runner.batcher.run())
+
         async def one(index: int, task: Task, sample_index: int) -> None:
             on_done(index, await runner.episode(task, sample_index, sem))
 
-        try:
+        async with _batching(runner, policy, config):
             await asyncio.gather(*(one(i, task, k) for i, (task, k) in enumerate(episodes)))
-        finally:
-            if batcher_task is not None:
-                batcher_task.cancel()
-                try:
-                    await batcher_task
-                except asyncio.CancelledError:
-                    pass
 
     wall = time.perf_counter() - t0
     trajectories = [kept[i] for i in sorted(kept)]
@@ -585,20 +595,12 @@ async def run_prefixed_episodes(
     runner = _Runner(factory, env_name, policy, renderer, config, policy_name)  # type: ignore[arg-type]
     if runner.mode != "token":
         raise ValueError("run_prefixed_episodes needs a token engine (generate)")
-    runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
     sem = asyncio.Semaphore(config.concurrency)
     t0 = time.perf_counter()
-    batcher_task = asyncio.create_task(runner.batcher.run())
-    try:
+    async with _batching(runner, policy, config):
         trajectories = list(await asyncio.gather(*(
             runner.episode(e.task, e.sample_index, sem, make_env=e.make_env, prefix=e.prefix) for e in episodes
         )))
-    finally:
-        batcher_task.cancel()
-        try:
-            await batcher_task
-        except asyncio.CancelledError:
-            pass
     wall = time.perf_counter() - t0
     failed = [t for t in trajectories if t.end_reason in FAILED_END_REASONS]
     # tokens the engine sampled: the forced prefix turns are not counted
