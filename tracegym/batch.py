@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from tracegym.algos.aggregation import LossNormalizers
+from tracegym.render.base import BuildStats
 from tracegym.types import TrainingExample, TrajectoryGroup
 
 
@@ -300,8 +301,6 @@ def examples_from_groups(
     examples before advantages exist). ``skip_groups[g]`` leaves group ``g`` out (no learning signal);
     examples longer than ``max_length`` tokens are left out and counted.
     """
-    from tracegym.render.base import BuildStats
-
     stats = BuildStats()
     out = GroupExamples(examples=[], group_index=[], trajectory_index=[])
     for g, group in enumerate(groups):

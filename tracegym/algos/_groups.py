@@ -58,16 +58,15 @@ def group_count(inverse: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
     return group_sum(ones, inverse, num_groups)
 
 
-def group_uniform(values: Tensor, group_ids: Tensor) -> Tensor:
-    """[N] bool: the sample's group has all values exactly equal (max == min).
+def group_uniform(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """[N] bool: the sample's group (``inverse`` from ``group_index``) has all values exactly equal.
 
     Such a group carries no learning signal. Its mean computed in floating point need not equal the
     values (ten rewards of 0.1 average to 0.09999999...), so ``r - mean`` is a tiny non-zero number
     that std normalisation would blow up; estimators zero these groups explicitly.
     """
-    inverse, g = group_index(group_ids)
-    high = torch.full((g,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amax")
-    low = torch.full((g,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amin")
+    high = torch.full((num_groups,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amin")
     return (high == low)[inverse]
 
 
@@ -81,7 +80,7 @@ def group_mean_std(values: Tensor, group_ids: Tensor, unbiased: bool) -> tuple[T
     inverse, g = group_index(group_ids)
     count = group_count(inverse, g, values.dtype)  # [G]
     mean = group_sum(values, inverse, g) / count  # [G]
-    uniform = group_uniform(values, group_ids)  # [N]
+    uniform = group_uniform(values, inverse, g)  # [N]
     centered = torch.where(uniform, torch.zeros_like(values), values - mean[inverse])  # [N]
     denom = (count - 1.0) if unbiased else count
     var = group_sum(centered * centered, inverse, g) / denom.clamp(min=1.0)

@@ -4,10 +4,8 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
 
     tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
     groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task, per-turn rewards
-    groups  = score_mc_continuation(...)                    # optional (VinePPO/C3): branch, Q(taken) - mean Q(others)
-    groups  = kl_in_reward(...)                             # optional: -beta * KL(pi || ref) on the last turn
-    groups  = score_info_gain(...)                          # optional (InfoPO): per-turn information gain
-    adv     = estimate(estimator, groups).advantages        # one advantage per turn of every trajectory
+    groups, adv = score_and_estimate(groups, ...)           # optional scoring (branching, KL in the reward,
+                                                            # InfoPO), then one advantage per turn
     data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage on that turn's sampled tokens
     batch   = score_batch(model, ref, make_batch(data))     # old / reference log-probs where the loss needs them
     metrics = policy_update(model, batch, loss, optimizer)  # per-token loss; masks, TIS, aggregation, KL once
@@ -44,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tracegym.algos import estimate, estimator_problems, has_signal
+from tracegym.algos import EstimatorResult, estimate, estimator_problems, has_signal
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.kl import kl_per_token
 from tracegym.batch import examples_from_groups, make_batch
@@ -154,6 +152,36 @@ def kl_in_reward(
         for g, group in enumerate(groups)
     ]
     return out, sum(penalty.values()) / max(sum(len(g) for g in groups), 1)
+
+
+def score_and_estimate(
+    groups: Sequence[TrajectoryGroup], tasks: Sequence[Any], cfg: RLConfig, loss_cfg: PolicyLossConfig, *,
+    sampler: Any, model: torch.nn.Module, reference: torch.nn.Module | None, renderer: Any, pad_token_id: int,
+    temperature: float, seed: int,
+) -> tuple[list[TrajectoryGroup], EstimatorResult, float]:
+    """The scoring steps the config asks for, in order, then the estimator: ``mc_continuation``
+    branches at decision turns (Q(taken) - mean Q(others) in ``Turn.metrics``), KL in the reward
+    takes ``beta * KL`` off each episode's last turn, ``info_gain`` scores turns (InfoPO). Returns the
+    scored groups, one advantage per turn (with the estimator's and the branching step's metrics) and
+    the mean KL penalty per episode (0 without KL in the reward)."""
+    groups = list(groups)
+    extra: dict[str, float] = {}
+    if cfg.advantage.intrinsic == "mc_continuation":
+        groups, mc_stats = score_mc_continuation(
+            groups, sampler, renderer, cfg.env.name, cfg.env.options, tasks,
+            decision_turns=cfg.advantage.mc_decision_turns, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
+            config=RolloutConfig(**cfg.rollout.model_dump(exclude={"engine", "engine_options"})), seed=seed,
+            reach=cfg.advantage.mc_reach)
+        extra = mc_stats.metrics(prefix="mc_")
+    kl_penalty = 0.0
+    if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
+        groups, kl_penalty = kl_in_reward(groups, model, reference, renderer, loss_cfg, pad_token_id=pad_token_id,
+                                          micro_batch_size=cfg.micro_batch_size, temperature=temperature)
+    if cfg.advantage.intrinsic == "info_gain":
+        groups = score_info_gain(groups, model, renderer, placeholder=cfg.advantage.placeholder, temperature=temperature,
+                                 micro_batch_size=cfg.micro_batch_size, pad_token_id=pad_token_id)
+    estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
+    return groups, EstimatorResult(estimated.advantages, {**extra, **estimated.metrics}), kl_penalty
 
 
 def with_reward_offset(trajectory: Trajectory, offset: float) -> Trajectory:
@@ -280,30 +308,18 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             t_start = time.perf_counter()
             # 1. collect: groups of the current policy; with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
-            groups, results, advantages, rounds, kl_penalty, estimator_metrics = [], [], [], 0, 0.0, []
+            groups, results, advantages, rounds, estimator_metrics = [], [], [], 0, []
             try:
                 while True:
                     tasks = tasks_at(train_tasks, cfg.seed, cursor, cfg.tasks_per_step)
                     cursor += len(tasks)
-                    new, result = collect_groups(sampler, cfg, tasks, renderer, writer=writer, gap_model=gap_model,
-                                                 seed=cfg.seed * 1_000_003 + step + rounds * 7_919_007)
-                    if cfg.advantage.intrinsic == "mc_continuation":  # branch at decision turns: Q(taken) - mean Q(others)
-                        new, mc_stats = score_mc_continuation(
-                            new, sampler, renderer, cfg.env.name, cfg.env.options, tasks,
-                            decision_turns=cfg.advantage.mc_decision_turns, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
-                            config=RolloutConfig(**cfg.rollout.model_dump(exclude={"engine", "engine_options"})),
-                            seed=cfg.seed * 1_000_003 + step + rounds * 7_919_007 + 104_729, reach=cfg.advantage.mc_reach)
-                        estimator_metrics.append(mc_stats.metrics(prefix="mc_"))
-                    # 2. optional KL penalty in the reward, then one advantage per turn of every trajectory
-                    if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
-                        new, kl_penalty = kl_in_reward(new, model, reference, renderer, loss_cfg, pad_token_id=pad_id,
-                                                       micro_batch_size=cfg.micro_batch_size, temperature=temperature)
-                    if cfg.advantage.intrinsic == "info_gain":  # InfoPO: per-turn scores in Turn.metrics
-                        new = score_info_gain(new, model, renderer, placeholder=cfg.advantage.placeholder,
-                                              temperature=temperature, micro_batch_size=cfg.micro_batch_size,
-                                              pad_token_id=pad_id)
+                    seed = cfg.seed * 1_000_003 + step + rounds * 7_919_007
+                    new, result = collect_groups(sampler, cfg, tasks, renderer, writer=writer, gap_model=gap_model, seed=seed)
+                    # 2. optional scoring steps (branching, KL in the reward, InfoPO), then one advantage per turn
+                    new, estimated, kl_penalty = score_and_estimate(
+                        new, tasks, cfg, loss_cfg, sampler=sampler, model=model, reference=reference, renderer=renderer,
+                        pad_token_id=pad_id, temperature=temperature, seed=seed + 104_729)
                     groups, results = groups + new, results + [result]
-                    estimated = estimate(cfg.advantage.estimator, new, cfg.advantage.options)
                     advantages += estimated.advantages
                     estimator_metrics.append(estimated.metrics)
                     with_signal = sum(has_signal(a) for a in advantages)
