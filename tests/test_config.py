@@ -203,7 +203,7 @@ def test_rl_rollout_section_maps_onto_the_rollout_runner_config():
 
     cfg = load_config(RLConfig, EXAMPLES / "rl_calculator.yaml")
     runner_cfg = RolloutConfig(
-        **cfg.rollout.model_dump(exclude={"engine", "engine_options"}),
+        **cfg.rollout.settings(),
         samples_per_task=cfg.group_size,
         seed=cfg.seed,
     )

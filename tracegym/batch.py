@@ -290,6 +290,7 @@ def examples_from_groups(
     renderer: object,
     advantages: Sequence[Sequence[Sequence[float]]] | None = None,
     *,
+    weights: Sequence[Sequence[Sequence[float]]] | None = None,
     max_length: int | None = None,
     skip_groups: Sequence[bool] | None = None,
 ) -> GroupExamples:
@@ -298,8 +299,10 @@ def examples_from_groups(
     ``advantages[g][i][k]`` (from ``compute_advantages``) lands on exactly the tokens sampled in turn
     ``k`` of trajectory ``i`` of group ``g``; every other token (system, user, tool, generation
     prompt, padding) has loss mask 0 and advantage 0. ``None``: advantages 0 (e.g. to score the
-    examples before advantages exist). ``skip_groups[g]`` leaves group ``g`` out (no learning signal);
-    examples longer than ``max_length`` tokens are left out and counted.
+    examples before advantages exist). ``weights[g][i][k]`` (an estimator's token weights, e.g. a
+    tree's ``1/|L(n)|``) likewise become the ``weights`` of turn ``k``'s tokens (None: 1).
+    ``skip_groups[g]`` leaves group ``g`` out (no learning signal); examples longer than
+    ``max_length`` tokens are left out and counted.
     """
     stats = BuildStats()
     out = GroupExamples(examples=[], group_index=[], trajectory_index=[])
@@ -309,7 +312,10 @@ def examples_from_groups(
             continue
         for i, traj in enumerate(group.trajectories):
             turn_values = list(advantages[g][i]) if advantages is not None else 0.0
-            for example in renderer.build_examples(traj, advantage=turn_values, stats=stats):  # type: ignore[attr-defined]
+            turn_weights = list(weights[g][i]) if weights is not None else 1.0
+            for example in renderer.build_examples(  # type: ignore[attr-defined]
+                traj, weight=turn_weights, advantage=turn_values, stats=stats
+            ):
                 if max_length is not None and len(example) > max_length:
                     out.dropped_too_long += 1
                     continue

@@ -18,6 +18,7 @@ import importlib
 import os
 import pkgutil
 import sys
+import warnings
 
 import tracegym.commands as _commands
 
@@ -103,7 +104,16 @@ def error_exit_code(exc: BaseException) -> tuple[int, str]:
     )
 
 
+def hide_dependency_future_warnings() -> None:
+    """Hide the ``FutureWarning``s that transformers and peft raise about their own coming API
+    changes: a user of the CLI can do nothing about them, and they bury the progress lines.
+    Matched by the module the warning is attributed to; tracegym's own warnings and every other
+    category still show."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    hide_dependency_future_warnings()  # before any command imports transformers
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug anywhere on the line (before or after the subcommand); "--" ends the options.
     head = argv[: argv.index("--")] if "--" in argv else argv

@@ -298,10 +298,43 @@ class RolloutSettings(BaseModel):
     model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
 
 
+class TreeConfig(_Section):
+    """Tree-search rollouts (``rollout.strategy: tree``): each task's group is the leaves of a tree
+    of turns. ``init_chains`` independent episodes first; then, for ``rounds`` rounds, fork points
+    (turn boundaries of existing leaves) are chosen by ``branch`` and ``branches`` new continuations
+    are played from each (the env restored to that point), until the tree has ``group_size`` leaves
+    or has generated ``max_tokens_per_tree`` tokens."""
+
+    init_chains: int | None = Field(None, gt=0)
+    """Independent episodes each tree starts with (None: half the leaves, rounded up)."""
+
+    branches: int = Field(2, gt=0)
+    """New continuations played from each chosen fork point (they share the prefix's prefill)."""
+
+    rounds: int = Field(1, gt=0)
+    """Forking rounds; a later round may fork the leaves an earlier one made (deeper trees)."""
+
+    branch: Literal["uniform", "entropy"] = "entropy"
+    """How fork points are chosen: ``uniform`` (at random among the turn boundaries) or ``entropy``
+    (ARPO/TreeRL style: where the first ``entropy_tokens`` tokens the policy sampled after the
+    observation had the highest mean -log p, i.e. the policy was least sure)."""
+
+    entropy_tokens: int = Field(16, gt=0)
+    """Tokens at the start of a turn whose mean -log p scores a fork point (``branch: entropy``)."""
+
+    max_tokens_per_tree: int | None = Field(None, gt=0)
+    """Generated-token budget of one tree (each token counted once, shared prefixes too); no new
+    round starts once a tree has spent it. None: no budget beyond the leaves."""
+
+    reach: Literal["auto", "snapshot", "replay"] = "auto"
+    """How a branch reaches its fork point: ``Env.snapshot()/restore()`` or a checked replay of the
+    recorded actions (envs declaring ``deterministic_replay``)."""
+
+
 class RLRolloutConfig(_Section, RolloutSettings):
-    """Sampling and episode limits. Apart from ``engine``/``engine_options`` the names are those of
-    ``tracegym.rollout.RolloutConfig`` (both inherit ``RolloutSettings``), so the recipe builds it
-    with ``model_dump(exclude=...)`` plus ``samples_per_task=group_size`` and ``seed``."""
+    """Sampling and episode limits. Apart from ``engine``/``engine_options``/``strategy``/``tree``
+    the names are those of ``tracegym.rollout.RolloutConfig`` (both inherit ``RolloutSettings``), so
+    the recipe builds it from ``settings()`` plus ``samples_per_task=group_size`` and ``seed``."""
 
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature for training rollouts (1.0 keeps engine and trainer log-probs comparable)."""
@@ -312,12 +345,26 @@ class RLRolloutConfig(_Section, RolloutSettings):
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Keyword options for the engine (base_url, gpu_memory_utilization, ...)."""
 
+    strategy: Literal["chains", "tree"] = "chains"
+    """``chains``: ``group_size`` independent episodes per task. ``tree``: tree-search rollouts
+    (``tree``): the group is the ``group_size`` leaves of a tree branched at turn boundaries; pair
+    it with ``advantage.estimator: tree`` so a shared prefix is not counted once per leaf."""
+
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    """Tree-search rollouts (``strategy: tree``)."""
+
+    def settings(self, **overrides: Any) -> dict[str, Any]:
+        """The ``RolloutSettings`` fields (what ``tracegym.rollout.RolloutConfig`` shares), with overrides."""
+        return {**self.model_dump(include=set(RolloutSettings.model_fields)), **overrides}
+
 
 class AdvantageConfig(_Section):
     estimator: str = "grpo"
     """Advantage estimator registered in ``tracegym.algos``: grpo, dr_grpo, rloo, reinforce,
-    turn_rloo (per-turn rewards-to-go, leave-one-out baseline) or a plugin's. It returns one
-    advantage per assistant turn of every trajectory."""
+    turn_rloo / turn_grpo (per-turn returns, leave-one-out baseline), gigpo (episode + step groups of
+    equal env state), info_gain, mc_continuation (with the scoring step of the same name), tree
+    (TreeRL/ARPO advantages and 1/|L(n)| token weights over ``rollout.strategy: tree`` leaves) or a
+    plugin's. It returns one advantage per assistant turn of every trajectory."""
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, validated by its options model (e.g. ``gamma: 0.9`` for turn_rloo)."""

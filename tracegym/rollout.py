@@ -120,6 +120,7 @@ class RolloutStats:
     episodes_per_s: float = 0.0
     tokens_per_s: float = 0.0
     logprob_gap: LogprobGap | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # a strategy's own counters (tree rollouts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -407,18 +408,13 @@ class _Runner:
         return traj
 
 
-def _progress_bar(total: int, enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress_bar(total: int, enabled: bool, **kwargs: Any):
+    """Episodes done/total with episodes/s and tok/s: a rich bar on a terminal, else a plain line at
+    least every 30 s (``kwargs``: ``interval_s``, ``stream``, ``clock`` of ``ProgressBar``)."""
+    # Imported here: the rollout module should not load the training package just to import it.
+    from tracegym.train.logging import ProgressBar
 
-    return Progress(
-        TextColumn("rollout"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rates]}"),
-        TimeElapsedColumn(),
-        disable=not enabled,
-        transient=False,
-    )
+    return ProgressBar(total, "rollout", enabled=enabled, unit="episode", **kwargs)
 
 
 @contextlib.asynccontextmanager
@@ -488,7 +484,6 @@ async def run_rollouts(
     t0 = time.perf_counter()
 
     with _progress_bar(len(episodes), progress) as bar:
-        bar_task = bar.add_task("rollout", total=len(episodes), rates="")
 
         def on_done(index: int, traj: Trajectory) -> None:
             nonlocal generated
@@ -505,9 +500,7 @@ async def run_rollouts(
                 kept[index] = traj
                 if writer is not None:
                     writer.write(traj)
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            done = len(kept) + len(failed)
-            bar.update(bar_task, advance=1, rates=f"{done / elapsed:.2f} ep/s  {generated / elapsed:.1f} tok/s")
+            bar.update(1, tokens=traj.num_generated_tokens)
 
         sem = asyncio.Semaphore(config.concurrency)
 

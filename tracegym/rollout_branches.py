@@ -173,9 +173,30 @@ async def replay_prefix(
         on_point(upto)
 
 
-def branch_mode(env: Env, reach: Reach = "auto") -> Literal["snapshot", "replay"]:
+async def snapshots_before(
+    make_env: Callable[[], Env], task: Task, trajectory: Trajectory, turns: Sequence[int]
+) -> dict[int, EnvSnapshot]:
+    """``Env.snapshot()`` just before each of ``turns`` (the env state turn ``t`` acted in), from one
+    checked replay of ``trajectory``'s recorded actions on a fresh env (closed afterwards)."""
+    wanted = set(turns)
+    taken: dict[int, EnvSnapshot] = {}
+    env = make_env()
+
+    def on_point(turn_index: int) -> None:
+        if turn_index in wanted:
+            taken[turn_index] = env.snapshot()
+
+    try:
+        if wanted:
+            await replay_prefix(env, task, trajectory, max(wanted), on_point)
+    finally:
+        env.close()
+    return taken
+
+
+def branch_mode(env: Env, reach: Reach = "auto", who: str = "mc_continuation") -> Literal["snapshot", "replay"]:
     """How the branch points of ``env`` are reached (see the module docstring), or
-    :class:`BranchingUnsupported` naming the env."""
+    :class:`BranchingUnsupported` naming the env (and ``who`` asked: mc_continuation, tree rollouts)."""
     name = getattr(env, "name", type(env).__name__)
     refusal = env.branch_refusal()
     if reach not in ("auto", "snapshot", "replay"):
@@ -183,17 +204,17 @@ def branch_mode(env: Env, reach: Reach = "auto") -> Literal["snapshot", "replay"
     if reach != "replay" and refusal is None:
         return "snapshot"
     if reach == "snapshot":
-        raise BranchingUnsupported(f"mc_continuation: env {name!r} cannot branch: {refusal}")
+        raise BranchingUnsupported(f"{who}: env {name!r} cannot branch: {refusal}")
     if reach == "replay" or getattr(env, "deterministic_replay", False) is True:
         return "replay"
     raise BranchingUnsupported(
-        f"mc_continuation: env {name!r} ({type(env).__name__}) cannot branch ({refusal}) and does not declare "
+        f"{who}: env {name!r} ({type(env).__name__}) cannot branch ({refusal}) and does not declare "
         f"deterministic_replay = True; implement snapshot/restore (branchable = True) or, if the env is "
         f"deterministic, declare it (or pass reach='replay')"
     )
 
 
-class _BranchEnv(Env):
+class BranchEnv(Env):
     """One continuation's env: answers the first ``t`` turns with the recorded observations (no env
     step) and plays turns ``>= t`` on a fresh env put at the branch point by ``restore(snapshot)``
     or, without a snapshot, by a checked replay of the prefix at reset."""
@@ -379,18 +400,11 @@ async def score_mc_continuation_async(
     # 2. snapshots: one checked replay per trajectory, a snapshot before each decision turn
     if mode == "snapshot" and points:
         async def snap(g: int, i: int) -> None:
-            mine = [p for p in points if (p.g, p.i) == (g, i)]
-            wanted = {p.t: p for p in mine}
-
-            def on_point(turn_index: int) -> None:
-                if turn_index in wanted:
-                    wanted[turn_index].snapshot = replay_env.snapshot()
-
-            replay_env = make_env()
-            try:
-                await replay_prefix(replay_env, mine[0].task, mine[0].trajectory, max(wanted), on_point)
-            finally:
-                replay_env.close()
+            mine = {p.t: p for p in points if (p.g, p.i) == (g, i)}
+            first = next(iter(mine.values()))
+            taken = await snapshots_before(make_env, first.task, first.trajectory, sorted(mine))
+            for t, snapshot in taken.items():
+                mine[t].snapshot = snapshot
 
         await asyncio.gather(*(snap(g, i) for g, i in chosen))
 
@@ -405,7 +419,7 @@ async def score_mc_continuation_async(
         prefix = tuple(recorded_action(turn) for turn in p.trajectory.turns[: p.t])
         p.returns = [[] for _ in p.actions]
         for a, action in enumerate(p.actions):
-            factory = (lambda p=p: _BranchEnv(make_env, p.trajectory, p.t, p.snapshot, mismatches))
+            factory = (lambda p=p: BranchEnv(make_env, p.trajectory, p.t, p.snapshot, mismatches))
             for j in range(m):
                 episodes.append(PrefixedEpisode(p.task, prefix + (action,), factory, sample_index=j))
                 index.append((n, a))
@@ -523,4 +537,6 @@ __all__ = [
     "replay_prefix",
     "score_mc_continuation",
     "score_mc_continuation_async",
+    "snapshots_before",
+    "BranchEnv",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 from torch import Tensor
 
 # importing each module registers it
-from tracegym.algos import dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, turn_credit  # noqa: F401
+from tracegym.algos import dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
 from tracegym.algos.advantages import (
     EstimatorResult,
     TurnAdvantages,

@@ -18,10 +18,15 @@ TurnAdvantages = list[list[float]]
 @dataclass
 class EstimatorResult:
     """What an estimator may return instead of the bare list: the advantages (``[group]`` of
-    ``TurnAdvantages``) and metrics to log (e.g. GiGPO's mean step-group size)."""
+    ``TurnAdvantages``), metrics to log (e.g. GiGPO's mean step-group size) and optional per-turn
+    token weights."""
 
     advantages: list[TurnAdvantages]
     metrics: dict[str, float] = field(default_factory=dict)
+    weights: list[TurnAdvantages] | None = None
+    """Optional per-turn token weights, same shape as ``advantages`` (None: 1 on every turn). The loss
+    multiplies each sampled token's term by its turn's weight, e.g. ``1/|L(n)|`` for a tree node
+    repeated in ``|L(n)|`` flattened leaves."""
 
 
 def check_rewards_and_groups(rewards: Tensor, group_ids: Tensor) -> None:

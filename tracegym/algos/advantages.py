@@ -69,10 +69,17 @@ def estimate(
         raise ValueError("; ".join(_option_problems(error, entry.options, f"estimator {name!r} options"))) from None
     out = entry(list(groups), opts)
     metrics: dict[str, float] = {}
+    weights = None
     if isinstance(out, EstimatorResult):
-        out, metrics = out.advantages, {k: float(v) for k, v in out.metrics.items()}
+        out, metrics, weights = out.advantages, {k: float(v) for k, v in out.metrics.items()}, out.weights
     check_advantages(name, groups, out)
-    return EstimatorResult([[[float(a) for a in turns] for turns in group] for group in out], metrics)
+    if weights is not None:
+        check_advantages(name, groups, weights, what="token weights")
+        bad = [w for group in weights for turns in group for w in turns if float(w) < 0]
+        if bad:
+            raise ValueError(f"estimator {name!r} returned negative token weights (e.g. {bad[0]})")
+        weights = [[[float(w) for w in turns] for turns in group] for group in weights]
+    return EstimatorResult([[[float(a) for a in turns] for turns in group] for group in out], metrics, weights)
 
 
 def compute_advantages(
@@ -82,8 +89,9 @@ def compute_advantages(
     return estimate(name, groups, options).advantages
 
 
-def check_advantages(name: str, groups: Sequence[TrajectoryGroup], advantages: Any) -> None:
-    """Raise ``ValueError`` unless ``advantages`` has one finite value per turn of every trajectory."""
+def check_advantages(name: str, groups: Sequence[TrajectoryGroup], advantages: Any, what: str = "advantages") -> None:
+    """Raise ``ValueError`` unless ``advantages`` (or the token weights: ``what``) has one finite value
+    per turn of every trajectory."""
     if not isinstance(advantages, (list, tuple)) or len(advantages) != len(groups):
         got = len(advantages) if isinstance(advantages, (list, tuple)) else type(advantages).__name__
         raise ValueError(f"estimator {name!r} returned {got} groups for {len(groups)}")
@@ -91,17 +99,17 @@ def check_advantages(name: str, groups: Sequence[TrajectoryGroup], advantages: A
         if len(values) != len(group.trajectories):
             raise ValueError(
                 f"estimator {name!r}: group {g} (task {group.task_id}) has {len(group.trajectories)} trajectories "
-                f"but {len(values)} advantage rows"
+                f"but {len(values)} rows of {what}"
             )
         for i, (traj, turns) in enumerate(zip(group.trajectories, values)):
             if len(turns) != len(traj.turns):
                 raise ValueError(
                     f"estimator {name!r}: task {group.task_id} sample {traj.sample_index} has {len(traj.turns)} turns "
-                    f"but {len(turns)} advantages"
+                    f"but {len(turns)} {what}"
                 )
             for k, a in enumerate(turns):
                 if not math.isfinite(float(a)):
-                    raise ValueError(f"estimator {name!r}: task {group.task_id} sample {i} turn {k}: advantage {a}")
+                    raise ValueError(f"estimator {name!r}: task {group.task_id} sample {i} turn {k}: {what.rstrip('s')} {a}")
 
 
 def has_signal(advantages: TurnAdvantages) -> bool:

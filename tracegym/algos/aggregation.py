@@ -14,7 +14,12 @@ trained tokens of row ``b``, ``S`` the rows with at least one trained token):
   ``fixed_length``: dividing by a batch's padded length instead would make the scale of the loss
   depend on the longest sequence that happened to be sampled.
 
-Weights multiply the numerator only; the denominators count masked tokens and sequences.
+Token weights ``w`` (importance weights) multiply the numerator only; the denominators count masked
+tokens and sequences. Sample weights ``s`` (how much a token counts as data, e.g. ``1/|L(n)|`` for
+a tree node repeated in ``|L(n)|`` flattened leaves) multiply the numerator and also the counts:
+``token_mean`` divides by ``sum m s`` (``LossNormalizers.weight_sum``), ``sequence_mean`` divides
+each row by ``sum_t m s``; the sequence counts are unchanged. With ``s = 1`` on every trained token
+(what the RL recipe builds unless an estimator gives weights) both are the unweighted modes.
 
 Gradient accumulation: when a batch is split into micro-batches, the denominators (token count,
 sequence count) must be those of the *full* batch, otherwise a micro-batch with few tokens gets
@@ -72,10 +77,12 @@ def aggregate(
     normalizers: LossNormalizers | None = None,
     fixed_length: int | None = None,
     token_weights: Tensor | None = None,
+    sample_weights: Tensor | None = None,
 ) -> Tensor:
     """Scalar from ``per_token`` [B, T] under ``mask`` [B, T] (see the module docstring).
 
-    ``token_weights`` [B, T] multiply the numerator only (e.g. truncated importance weights).
+    ``token_weights`` [B, T] multiply the numerator only (e.g. truncated importance weights);
+    ``sample_weights`` [B, T] weigh tokens as data (numerator and token counts; module docstring).
     ``fixed_length`` is required by ``fixed_length_sum``. An empty mask gives a zero loss that
     still depends on ``per_token`` (so ``backward`` works and yields zero gradients).
     """
@@ -83,14 +90,20 @@ def aggregate(
         raise ValueError(f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} differ in shape")
     if token_weights is not None and token_weights.shape != mask.shape:
         raise ValueError(f"token_weights {tuple(token_weights.shape)} and mask {tuple(mask.shape)} differ in shape")
+    if sample_weights is not None and sample_weights.shape != mask.shape:
+        raise ValueError(f"sample_weights {tuple(sample_weights.shape)} and mask {tuple(mask.shape)} differ in shape")
     mask = mask.to(per_token.dtype)
+    if sample_weights is not None:  # counted data: numerator and token counts alike
+        mask = mask * sample_weights.to(per_token.dtype)
     weighted = per_token * mask if token_weights is None else per_token * mask * token_weights.to(per_token.dtype)
     norm = normalizers if normalizers is not None else LossNormalizers.from_mask(mask)
     sequences = max(norm.num_sequences, 1.0)
     if mode == "token_mean":
-        return weighted.sum() / max(norm.num_tokens, 1.0)
+        count = norm.weight_sum if sample_weights is not None else norm.num_tokens
+        return weighted.sum() / max(count, 1e-12 if sample_weights is not None else 1.0)
     if mode == "sequence_mean":
-        lengths = mask.sum(dim=-1).clamp(min=1.0)  # [B]; rows without tokens contribute 0
+        lengths = mask.sum(dim=-1)  # [B]; rows without tokens contribute 0
+        lengths = lengths.clamp(min=1e-12) if sample_weights is not None else lengths.clamp(min=1.0)
         return (weighted.sum(dim=-1) / lengths).sum() / sequences
     if mode == "sequence_sum":
         return weighted.sum() / sequences

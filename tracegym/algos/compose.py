@@ -5,13 +5,15 @@ unmasked, unweighted, not aggregated). This composition does the shared work onc
 
     old  = batch.old_logprobs, else batch.engine_logprobs
     w    = min(exp(old - engine), tis_cap)                     [tis_cap set; else 1]
-    loss = aggregate(m * w * l)
-         + kl_coef * aggregate(m * kl_estimator(logprobs, ref_logprobs))     [kl_penalty == "loss"]
-         - entropy_coef * aggregate(m * entropy)                             [entropy_coef > 0]
+    loss = aggregate(m * s * w * l)
+         + kl_coef * aggregate(m * s * kl_estimator(logprobs, ref_logprobs))     [kl_penalty == "loss"]
+         - entropy_coef * aggregate(m * s * entropy)                             [entropy_coef > 0]
 
 Every term uses ``cfg.aggregation`` with the batch's full-batch ``LossNormalizers``, so the
-micro-batch losses (and gradients) add up to the full-batch ones. TIS weights multiply the policy
-term only. This module knows the batch only through ``PolicyLossBatch`` (the fields it reads), so
+micro-batch losses (and gradients) add up to the full-batch ones. TIS weights ``w`` multiply the
+policy term only; the batch's sample weights ``s`` (``batch.weights``: 1 on every sampled token,
+or an estimator's per-turn weights such as a tree's ``1/|L(n)|``) weigh every term as data, counts
+included (``tracegym.algos.aggregation``). This module knows the batch only through ``PolicyLossBatch`` (the fields it reads), so
 ``tracegym.batch`` can import ``tracegym.algos`` without a cycle.
 """
 
@@ -42,7 +44,8 @@ class PolicyLossBatch(Protocol):
     has_engine_logprobs: Tensor
     """[B] bool: rows whose engine log-probs are known."""
     normalizers: LossNormalizers
-    """Denominators of the full batch."""
+    """Denominators of the full batch. (Optional, read with ``getattr``: ``weights`` [B, T], the
+    per-token sample weights, 1 on sampled tokens unless the estimator set per-turn weights.)"""
     old_logprobs: Tensor | None
     """The trainer's log-probs before the update, or None."""
     ref_logprobs: Tensor | None
@@ -86,11 +89,12 @@ def compute_policy_loss(
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError("entropy_coef > 0 needs the token entropy; pass it from token_logprobs_and_entropy")
     normalizers = batch_part.normalizers
+    sample_weights = getattr(batch_part, "weights", None)
 
     def reduce(per_token: Tensor, token_weights: Tensor | None = None) -> Tensor:
         return aggregate(
             per_token, mask, cfg.aggregation, normalizers=normalizers, fixed_length=cfg.fixed_length,
-            token_weights=token_weights,
+            token_weights=token_weights, sample_weights=sample_weights,
         )
 
     old = _old_logprobs(batch_part, mask)

@@ -3,10 +3,10 @@
 One step, top to bottom (``train_rl`` below reads exactly like this)::
 
     tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
-    groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task, per-turn rewards
+    groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task (chains or a tree's leaves)
     groups, adv = score_and_estimate(groups, ...)           # optional scoring (branching, KL in the reward,
                                                             # InfoPO), then one advantage per turn
-    data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage on that turn's sampled tokens
+    data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage (and weight) on its sampled tokens
     batch   = score_batch(model, ref, make_batch(data))     # old / reference log-probs where the loss needs them
     metrics = policy_update(model, batch, loss, optimizer)  # per-token loss; masks, TIS, aggregation, KL once
     sampler.update_weights(model)                           # free and exact for hf (it holds this very model)
@@ -14,8 +14,9 @@ One step, top to bottom (``train_rl`` below reads exactly like this)::
 
 Every piece is a function of its inputs, tested on its own. The math lives in registries that a
 user's module extends (``--plugin MODULE``): estimators map groups to per-turn advantages
-(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ``turn_grpo``, ``gigpo``, ``info_gain``, ``mc_continuation``, ...), losses map log-probs and
-advantages to a per-token loss (``ppo_clip``, ``gspo``, ``policy_gradient``, ...).
+(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``, ``turn_rloo``, ``turn_grpo``, ``gigpo``,
+``info_gain``, ``mc_continuation``, ``tree`` with per-turn token weights, ...), losses map log-probs
+and advantages to a per-token loss (``ppo_clip``, ``gspo``, ``policy_gradient``, ...).
 
 Groups whose advantages are all zero (equal rewards) carry no signal and are skipped
 (``skip_uniform_groups``); with ``resample_rounds`` (DAPO's dynamic sampling) further tasks are
@@ -51,6 +52,7 @@ from tracegym.data.store import TrajectoryWriter
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout_branches import score_mc_continuation
+from tracegym.rollout_tree import run_tree_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -98,10 +100,15 @@ def collect_groups(
     sampler: Any, cfg: RLConfig, tasks: Sequence[Any], renderer: Any, *, seed: int, writer: Any | None = None,
     gap_model: Any | None = None,
 ) -> tuple[list[TrajectoryGroup], RolloutResult]:
-    """``group_size`` episodes of every task with the current policy -> one group per task."""
-    rollout_cfg = RolloutConfig(
-        **cfg.rollout.model_dump(exclude={"engine", "engine_options"}), samples_per_task=cfg.group_size, seed=seed
-    )
+    """``group_size`` episodes of every task with the current policy -> one group per task: independent
+    chains, or with ``rollout.strategy: tree`` the ``group_size`` leaves of one tree per task."""
+    rollout_cfg = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size, seed=seed)
+    if cfg.rollout.strategy == "tree":
+        result, tree_stats = run_tree_rollouts_sync(
+            cfg.env.name, tasks, sampler, renderer, rollout_cfg, cfg.rollout.tree, cfg.group_size,
+            env_options=cfg.env.options, writer=writer, policy_name="policy")
+        result.stats.extra = tree_stats.metrics()
+        return group_trajectories(result.trajectories), result
     result = run_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, writer=writer, progress=False,
                                env_options=cfg.env.options, policy_name="policy", gap_model=gap_model)
     return group_trajectories(result.trajectories), result
@@ -124,6 +131,8 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
     for r in results:
         for reason, count in r.stats.end_reasons.items():
             metrics[f"end/{reason}"] = metrics.get(f"end/{reason}", 0.0) + float(count)
+        for key, value in r.stats.extra.items():  # e.g. the tree rollouts' tree/leaves, tree/generated_tokens
+            metrics[key] = metrics.get(key, 0.0) + value
         if r.stats.logprob_gap is not None:
             metrics["logprob_gap/mean"] = r.stats.logprob_gap.mean
             metrics["logprob_gap/max"] = max(metrics.get("logprob_gap/max", 0.0), r.stats.logprob_gap.max)
@@ -170,7 +179,7 @@ def score_and_estimate(
         groups, mc_stats = score_mc_continuation(
             groups, sampler, renderer, cfg.env.name, cfg.env.options, tasks,
             decision_turns=cfg.advantage.mc_decision_turns, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
-            config=RolloutConfig(**cfg.rollout.model_dump(exclude={"engine", "engine_options"})), seed=seed,
+            config=RolloutConfig(**cfg.rollout.settings()), seed=seed,
             reach=cfg.advantage.mc_reach)
         extra = mc_stats.metrics(prefix="mc_")
     kl_penalty = 0.0
@@ -181,7 +190,7 @@ def score_and_estimate(
         groups = score_info_gain(groups, model, renderer, placeholder=cfg.advantage.placeholder, temperature=temperature,
                                  micro_batch_size=cfg.micro_batch_size, pad_token_id=pad_token_id)
     estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
-    return groups, EstimatorResult(estimated.advantages, {**extra, **estimated.metrics}), kl_penalty
+    return groups, EstimatorResult(estimated.advantages, {**extra, **estimated.metrics}, estimated.weights), kl_penalty
 
 
 def with_reward_offset(trajectory: Trajectory, offset: float) -> Trajectory:
@@ -233,8 +242,8 @@ def evaluate_policy(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[
     from tracegym.eval import summarize
 
     rollout_cfg = RolloutConfig(
-        **cfg.rollout.model_dump(exclude={"engine", "engine_options", "temperature", "measure_logprob_gap"}),
-        temperature=cfg.eval.temperature, samples_per_task=cfg.eval.samples_per_task, seed=seed,
+        **cfg.rollout.settings(temperature=cfg.eval.temperature, measure_logprob_gap=False),
+        samples_per_task=cfg.eval.samples_per_task, seed=seed,
     )
     result = run_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, progress=False,
                                env_options=cfg.env.options, policy_name="policy")
@@ -308,7 +317,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             t_start = time.perf_counter()
             # 1. collect: groups of the current policy; with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
-            groups, results, advantages, rounds, estimator_metrics = [], [], [], 0, []
+            groups, results, advantages, weights, rounds, estimator_metrics = [], [], [], [], 0, []
             try:
                 while True:
                     tasks = tasks_at(train_tasks, cfg.seed, cursor, cfg.tasks_per_step)
@@ -321,6 +330,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                         pad_token_id=pad_id, temperature=temperature, seed=seed + 104_729)
                     groups, results = groups + new, results + [result]
                     advantages += estimated.advantages
+                    # per-turn token weights (a tree's 1/|L(n)|), 1 where the estimator gives none
+                    weights += estimated.weights or [[[1.0] * len(a) for a in group] for group in estimated.advantages]
                     estimator_metrics.append(estimated.metrics)
                     with_signal = sum(has_signal(a) for a in advantages)
                     if rounds >= cfg.resample_rounds or with_signal >= cfg.tasks_per_step:
@@ -340,7 +351,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
 
             # 3. examples: each turn's advantage on the tokens sampled in that turn (mask 0 elsewhere)
             skip = [cfg.skip_uniform_groups and not has_signal(a) for a in advantages]
-            data = examples_from_groups(groups, renderer, advantages, max_length=cfg.max_length, skip_groups=skip)
+            data = examples_from_groups(groups, renderer, advantages, weights=weights, max_length=cfg.max_length,
+                                        skip_groups=skip)
             metrics.update({"examples/count": float(len(data.examples)), "examples/template_splits": float(data.template_splits),
                             "examples/dropped_too_long": float(data.dropped_too_long)})
 
@@ -365,7 +377,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 metrics.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))
             if step % cfg.logging.log_every == 0 or step == cfg.steps:
                 history.append(logger.log(step, metrics))
-            progress.update(1, info=f"reward {metrics['reward/mean']:.3f}")
+            loss_text = f" loss {metrics['train/loss']:.4f}" if "train/loss" in metrics else ""
+            progress.update(1, info=f"reward {metrics['reward/mean']:.3f}{loss_text}",
+                            tokens=int(sum(t.num_generated_tokens for g in groups for t in g.trajectories)))
             if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
                 return RLResult(run_dir, None, step, history)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:

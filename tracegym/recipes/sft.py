@@ -264,7 +264,7 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
                 metrics.update(evaluate_loss(model, eval_examples, cfg.eval_batch_size, device, pad_id))
             if step % cfg.logging.log_every == 0 or step == total_steps:
                 history.append(logger.log(step, metrics))
-            progress.update(1, info=f"loss {loss:.4f}")
+            progress.update(1, info=f"loss {loss:.4f}", tokens=out["tokens"])
 
             if stop_at_step is not None and step >= stop_at_step and step < total_steps:
                 return SFTResult(run_dir, None, step, history)

@@ -276,12 +276,13 @@ class Renderer(ABC):
     def build_examples(
         self,
         trajectory: Trajectory,
-        weight: float = 1.0,
+        weight: float | Sequence[float] = 1.0,
         advantage: float | Sequence[float] = 0.0,
         stats: BuildStats | None = None,
     ) -> list[TrainingExample]:
         """Trajectory -> one example (or several, where a turn's prompt does not extend the
-        sequence so far). ``advantage`` is a scalar for the whole episode or one value per turn.
+        sequence so far). ``weight`` and ``advantage`` are each a scalar for the whole episode or
+        one value per turn (on that turn's sampled tokens).
 
         The examples are cut from the token ids the trajectory recorded (token-in, token-out), so
         this default, ``tracegym.render.trajectory_examples.build_examples``, serves every template."""

@@ -62,25 +62,26 @@ class _Builder:
         )
 
 
-def _per_turn_advantages(advantage: float | Sequence[float], num_turns: int) -> list[float]:
-    if isinstance(advantage, (int, float)):
-        return [float(advantage)] * num_turns
-    values = [float(a) for a in advantage]
+def _per_turn(value: float | Sequence[float], num_turns: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * num_turns
+    values = [float(a) for a in value]
     if len(values) != num_turns:
-        raise ValueError(f"advantage has {len(values)} values but the trajectory has {num_turns} turns")
+        raise ValueError(f"{name} has {len(values)} values but the trajectory has {num_turns} turns")
     return values
 
 
 def build_examples(
     trajectory: Trajectory,
-    weight: float = 1.0,
+    weight: float | Sequence[float] = 1.0,
     advantage: float | Sequence[float] = 0.0,
     stats: BuildStats | None = None,
 ) -> list[TrainingExample]:
     """See ``Renderer.build_examples``. ``has_logprobs`` is per example: True only when every turn
     in that example carries ``completion_logprobs``. A trajectory with no turns gives no example."""
     turns = trajectory.turns
-    advantages = _per_turn_advantages(advantage, len(turns))
+    advantages = _per_turn(advantage, len(turns), "advantage")
+    weights = _per_turn(weight, len(turns), "weight")
     base_source = f"{trajectory.env}/{trajectory.task_id}/{trajectory.sample_index}"
     examples: list[TrainingExample] = []
     current: _Builder | None = None
@@ -103,7 +104,7 @@ def build_examples(
         if current is None:
             current = _Builder()
             current.add_context(prompt)
-        current.add_completion(turn.completion_ids, weight, advantages[index], turn.completion_logprobs)
+        current.add_completion(turn.completion_ids, weights[index], advantages[index], turn.completion_logprobs)
     if current is not None:
         examples.append(current.finish(f"{base_source}#{len(examples)}"))
     if stats is not None:

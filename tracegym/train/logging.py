@@ -1,4 +1,4 @@
-"""Metrics sinks shared by the recipes: metrics.jsonl, TensorBoard, W&B, and a progress bar.
+"""Metrics sinks shared by the recipes: metrics.jsonl, TensorBoard, W&B, and progress output.
 
 ``MetricsLogger(run_dir)`` writes one JSON line per logged step to ``<run_dir>/metrics.jsonl``
 (flushed at once, so a crash loses nothing already logged), scalars to TensorBoard event files in
@@ -14,9 +14,10 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tracegym.closing import ClosesOnExit
 from tracegym.types import read_json_rows
@@ -161,12 +162,96 @@ class MetricsLogger(ClosesOnExit):
             self._wandb = None
 
 
-class ProgressBar(ClosesOnExit):
-    """A rich progress bar with rate and ETA; a no-op when disabled (tests, non-interactive logs)."""
+def _duration_text(seconds: float) -> str:
+    """A duration short enough for a log line: ``45s``, ``1m02s``, ``2h05m``."""
+    total = max(int(round(seconds)), 0)
+    if total < 60:
+        return f"{total}s"
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
 
-    def __init__(self, total: int, description: str = "train", enabled: bool = True, completed: int = 0):
+
+def _rate_text(units: float, seconds: float, unit: str) -> str:
+    """Throughput as whichever reads better: ``12.3 s/step`` for slow units, ``4.20 step/s`` for fast."""
+    if units <= 0 or seconds <= 0:
+        return ""
+    if seconds / units >= 1.0:
+        return f"{seconds / units:.1f} s/{unit}"
+    return f"{units / seconds:.2f} {unit}/s"
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # a closed or detached stream is no terminal
+        return False
+
+
+class ProgressBar(ClosesOnExit):
+    """Progress of a long stage: a rich bar on a terminal, plain lines in a log; a no-op when disabled.
+
+    On a terminal (``stream.isatty()``) it is a rich progress bar with rate and ETA. Anywhere else
+    (nohup, CI, output redirected to a file) a rich bar either draws nothing or floods the file, so
+    instead one plain line is printed (and flushed) at the first update, then whenever at least
+    ``interval_s`` seconds passed since the last line, and at the last step::
+
+        rl step 3/8 | reward 0.420 | 12.3 s/step | eta 1m02s
+
+    A step longer than ``interval_s`` would still leave the log silent, so a daemon thread prints
+    ``rl step 4/8 still running (45s)`` whenever ``interval_s`` passed without a line; ``close()``
+    stops it. ``update(tokens=n)`` adds generated or trained tokens, shown as ``tok/s``.
+
+    ``stream`` (default ``sys.stdout`` at construction) and ``clock`` (default ``time.monotonic``)
+    are there for tests; so is ``heartbeat=False``, since the thread sleeps in real seconds and a
+    test moving a fake clock would race it.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        description: str = "train",
+        enabled: bool = True,
+        completed: int = 0,
+        *,
+        interval_s: float = 30.0,
+        unit: str = "step",
+        heartbeat: bool = True,
+        stream: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._progress = None
+        self._plain = False
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+        # Update (caller's thread) and heartbeat (own thread) both print and read the counters.
+        self._lock = threading.Lock()
+        self.total = total
+        self.description = description
+        self.unit = unit
+        self.interval_s = interval_s
+        self._stream = sys.stdout if stream is None else stream
+        self._clock = clock
+        self._done = completed
+        self._started_done = completed  # rates and ETA count only the steps run by this process
+        self._tokens: int | None = None  # None until an update brings a token count: no tok/s shown
+        self._started_at = clock()
+        self._step_started_at = self._started_at
+        self._last_line_at = self._started_at  # no line yet: the heartbeat counts from the start
+        self._reported_update = False  # the first update always prints, whatever the heartbeat did
+        self._info = ""
+        self._done_at_last_line = completed
         if not enabled:
+            return
+        if not _is_terminal(self._stream):
+            self._plain = True
+            if heartbeat and interval_s > 0:
+                self._heartbeat = threading.Thread(
+                    target=self._heartbeat_loop, name=f"{description}-progress-heartbeat", daemon=True)
+                self._heartbeat.start()
             return
         from rich.progress import (
             BarColumn,
@@ -177,6 +262,11 @@ class ProgressBar(ClosesOnExit):
             TimeRemainingColumn,
         )
 
+        console = None
+        if stream is not None:  # by default rich finds stdout itself, as it always did
+            from rich.console import Console
+
+            console = Console(file=stream)
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -185,15 +275,97 @@ class ProgressBar(ClosesOnExit):
             TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
+            console=console,
         )
         self._task = self._progress.add_task(description, total=total, completed=completed, info="")
         self._progress.start()
 
-    def update(self, advance: int = 1, info: str = "") -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, advance=advance, info=info)
+    def update(self, advance: int = 1, info: str = "", tokens: int | None = None) -> None:
+        """Count ``advance`` more steps; ``info`` (e.g. ``"loss 0.123"``) is shown as given."""
+        if self._progress is None and not self._plain:
+            return
+        with self._lock:
+            now = self._clock()
+            self._done += advance
+            if tokens is not None:
+                self._tokens = (self._tokens or 0) + tokens
+            if advance:
+                self._step_started_at = now
+            self._info = info
+            if self._progress is not None:
+                shown = "  ".join(part for part in (info, self._rates_text(now)) if part)
+                self._progress.update(self._task, advance=advance, info=shown)
+                return
+            due = not self._reported_update or now - self._last_line_at >= self.interval_s
+            if due or self._finished:
+                self._emit(self._progress_line(now), now)
+                self._reported_update = True
+
+    @property
+    def _finished(self) -> bool:
+        return self.total > 0 and self._done >= self.total
+
+    def _progress_line(self, now: float) -> str:
+        parts = [f"{self.description} {self.unit} {self._done}/{self.total}"]
+        if self._info:
+            parts.append(self._info)
+        rates = self._rates_text(now)
+        if rates:
+            parts.append(rates)
+        if self._finished:
+            parts.append(f"took {_duration_text(now - self._started_at)}")
+        elif self._done > self._started_done:
+            per_step = (now - self._started_at) / (self._done - self._started_done)
+            parts.append(f"eta {_duration_text(per_step * (self.total - self._done))}")
+        return " | ".join(parts)
+
+    def _rates_text(self, now: float) -> str:
+        elapsed = now - self._started_at
+        parts = [_rate_text(self._done - self._started_done, elapsed, self.unit)]
+        if self._tokens is not None and elapsed > 0:
+            parts.append(f"{self._tokens / elapsed:.1f} tok/s")
+        return " ".join(part for part in parts if part)
+
+    def _emit(self, line: str, now: float) -> None:
+        """Print one line (the lock is held). A broken stdout turns the lines off, never the run."""
+        try:
+            print(line, file=self._stream, flush=True)
+        except (OSError, ValueError):
+            self._plain = False
+            self._stop.set()
+            return
+        self._last_line_at = now
+        self._done_at_last_line = self._done
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._plain:
+                    return
+                now = self._clock()
+                wait = self._last_line_at + self.interval_s - now
+                if wait <= 0:
+                    self._emit(self._heartbeat_line(now), now)
+                    wait = self.interval_s
+            if self._stop.wait(wait):
+                return
+
+    def _heartbeat_line(self, now: float) -> str:
+        if self._done > self._done_at_last_line:
+            # Steps finished since the last line, each too soon after it to print: report them now.
+            return self._progress_line(now)
+        silent_for = _duration_text(now - self._step_started_at)
+        if self._finished:  # after the last step, e.g. while the final model is saved
+            return f"{self.description} {self.unit} {self._done}/{self.total} done, finishing ({silent_for})"
+        return f"{self.description} {self.unit} {self._done + 1}/{self.total} still running ({silent_for})"
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        self._stop.set()
+        if self._heartbeat is not None:
+            # The thread wakes at once; the bound only matters if a print to a stuck stdout hangs.
+            self._heartbeat.join(timeout=1.0)
+            self._heartbeat = None
+        self._plain = False
