@@ -7,7 +7,9 @@ budget for both:
 
 - naive: one ``model.generate`` call per episode per turn, episodes one after another;
 - runner: ``tracegym.rollout.run_rollouts`` with the hf engine (all waiting episodes in one batch,
-  KV cache, finished rows leave the batch).
+  KV cache, finished rows leave the batch), run twice: each turn's prompt prefilled whole
+  (``turn_cache_mb=0``, the engine before the turn store) and with the engine keeping each finished
+  row's keys/values so an episode's next turn prefills only its new tokens (the default).
 
 The ceiling: tokens/s of one batched decode step (batch = the runner's batch size, context = the
 mean prompt length seen), measured on this machine. The table prints the ratio runner/naive, the
@@ -60,39 +62,46 @@ def main() -> int:
     tasks = make(args.env).tasks("train", n=args.tasks, seed=0)
     rss_after_load = peak_rss_mb()
 
-    # -- the runner ------------------------------------------------------------------------------------
-    engine = make_engine("hf", model=model, tokenizer=tokenizer, renderer=renderer, max_batch_size=args.tasks)
-    gen_time = 0.0
-    prefill_time = 0.0
-    prompt_lengths: list[int] = []
-    real_generate, real_forward = engine.generate, engine._forward
+    # -- the runner, without and with the engine's previous-turn KV store ----------------------------
+    def run_runner(turn_cache_mb: float) -> dict:
+        engine = make_engine("hf", model=model, tokenizer=tokenizer, renderer=renderer, max_batch_size=args.tasks,
+                             turn_cache_mb=turn_cache_mb)
+        timing = {"generate": 0.0, "prefill": 0.0, "prompts": []}
+        real_generate, real_forward = engine.generate, engine._forward
 
-    def timed_generate(prompts, params):
-        nonlocal gen_time
-        prompt_lengths.extend(len(p) for p in prompts)
-        t = time.perf_counter()
-        try:
-            return real_generate(prompts, params)
-        finally:
-            gen_time += time.perf_counter() - t
+        def timed_generate(prompts, params):
+            timing["prompts"].extend(len(p) for p in prompts)
+            t = time.perf_counter()
+            try:
+                return real_generate(prompts, params)
+            finally:
+                timing["generate"] += time.perf_counter() - t
 
-    def timed_forward(**kw):
-        nonlocal prefill_time
-        t = time.perf_counter()
-        out = real_forward(**kw)
-        if kw["input_ids"].shape[1] > 1:
-            prefill_time += time.perf_counter() - t
-        return out
+        def timed_forward(**kw):
+            t = time.perf_counter()
+            out = real_forward(**kw)
+            if kw["input_ids"].shape[1] > 1:
+                timing["prefill"] += time.perf_counter() - t
+            return out
 
-    engine.generate, engine._forward = timed_generate, timed_forward  # type: ignore[method-assign]
-    cfg = RolloutConfig(max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens, temperature=1.0, seed=0,
-                        concurrency=args.tasks)
-    t0 = time.perf_counter()
-    result = asyncio.run(run_rollouts(args.env, tasks, engine, renderer, cfg, progress=False))
-    runner_time = time.perf_counter() - t0
-    runner_tokens = result.stats.generated_tokens
-    runner_tps = runner_tokens / runner_time
+        engine.generate, engine._forward = timed_generate, timed_forward  # type: ignore[method-assign]
+        cfg = RolloutConfig(max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens, temperature=1.0, seed=0,
+                            concurrency=args.tasks)
+        t0 = time.perf_counter()
+        result = asyncio.run(run_rollouts(args.env, tasks, engine, renderer, cfg, progress=False))
+        wall = time.perf_counter() - t0
+        return {"result": result, "time": wall, "tokens": result.stats.generated_tokens,
+                "tps": result.stats.generated_tokens / wall, "prefill_tokens": engine.prefill_tokens,
+                "turn_reused": engine.turn_tokens_reused, **timing,
+                "completions": [[t.completion_ids for t in traj.turns] for traj in result.trajectories]}
+
+    before = run_runner(0.0)
+    rss_after_before = peak_rss_mb()
+    after = run_runner(1024.0)
     rss_after_runner = peak_rss_mb()
+    result, runner_time, runner_tokens, runner_tps = after["result"], after["time"], after["tokens"], after["tps"]
+    gen_time, prefill_time, prompt_lengths = after["generate"], after["prefill"], after["prompts"]
+    same_tokens = before["completions"] == after["completions"]
 
     # -- the naive loop --------------------------------------------------------------------------------
     naive_tokens, naive_time = 0, 0.0
@@ -147,7 +156,8 @@ def main() -> int:
     other = runner_time - gen_time
     rows = [
         ("naive loop (generate per episode per turn)", naive_tokens, naive_time, naive_tps),
-        ("tracegym runner (hf engine)", runner_tokens, runner_time, runner_tps),
+        ("runner, each turn re-prefilled (turn_cache_mb=0)", before["tokens"], before["time"], before["tps"]),
+        ("tracegym runner (hf engine, turn KV kept)", runner_tokens, runner_time, runner_tps),
         (f"batched decode step, batch {batch}, context {context}", batch * steps, None, decode_tps),
     ]
     print(f"\nrollout throughput: {args.model}, env {args.env}, {args.tasks} tasks, <= {args.max_turns} turns x "
@@ -155,13 +165,18 @@ def main() -> int:
     print(f"{'':50s} {'tokens':>8s} {'seconds':>9s} {'tok/s':>8s}")
     for name, tokens, secs, tps in rows:
         print(f"{name:50s} {tokens:8d} {secs if secs is not None else float('nan'):9.1f} {tps:8.1f}")
-    print(f"\nrunner / naive: {runner_tps / naive_tps:.2f}x   runner / decode ceiling: {runner_tps / decode_tps:.0%}")
+    print(f"\nrunner / naive: {runner_tps / naive_tps:.2f}x   runner / decode ceiling: {runner_tps / decode_tps:.0%}   "
+          f"turn KV kept / re-prefilled: {runner_tps / before['tps']:.2f}x")
+    print(f"prompt tokens computed: {before['prefill_tokens']} re-prefilled vs {after['prefill_tokens']} with the turn "
+          f"store ({after['turn_reused']} reused); prefill time {before['prefill']:.1f}s vs {prefill_time:.1f}s; "
+          f"same sampled tokens: {same_tokens}")
     print(f"runner time: generate {gen_time:.1f}s ({gen_time / runner_time:.0%}; prefill {prefill_time:.1f}s), "
           f"env + rendering + scheduling {other:.1f}s; {result.stats.generate_calls} generate calls, "
           f"mean batch {result.stats.mean_batch_size:.1f}, end reasons {result.stats.end_reasons}")
-    print("limits: prefill of each turn's whole prompt (no prefix cache across turns), the batch shrinking as "
-          "rows finish (the tail decodes at small batch), and the per-turn barrier on the slowest row")
-    print(f"peak RSS: after load {rss_after_load:.0f} MB, after runner {rss_after_runner:.0f} MB, end {rss_end:.0f} MB")
+    print("limits: the batch shrinking as rows finish (the tail decodes at small batch) and the per-turn barrier "
+          "on the slowest row (a finished row is not replaced by a waiting episode within a generate call)")
+    print(f"peak RSS: after load {rss_after_load:.0f} MB, after the re-prefill runner {rss_after_before:.0f} MB, "
+          f"after the turn-store runner {rss_after_runner:.0f} MB, end {rss_end:.0f} MB")
     return 0
 
 

@@ -340,3 +340,61 @@ def test_shared_prefix_threshold_and_unsafe_caches(tiny):
     assert engine._shared_prefix_len(SHARED_PROMPTS, _dynamic_cache(sliding)) == 0
     with pytest.raises(ValueError, match="min_shared_prefix"):
         HFEngine(model, min_shared_prefix=0)
+
+
+# --- the previous-turn store: an episode's next turn prefills only its new tokens -------------------
+
+
+def _next_turns(prompts, outs, observation=(198, 4093, 198)):
+    """Each prompt + its completion + an env answer: what an episode's next prompt looks like."""
+    return [list(p) + list(g.token_ids) + list(observation) for p, gens in zip(prompts, outs) for g in gens]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=6),
+                                    SamplingParams(temperature=1.0, max_tokens=6, seed=4)])
+def test_a_next_turn_reuses_the_previous_turns_keys_exactly(tiny, params):
+    model, _ = tiny
+    engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
+    first = engine.generate(PROMPTS, params)
+    assert _compare(first, plain.generate(PROMPTS, params)) < 1e-4
+    kept = sum(len(p) + len(g.token_ids) - 1 for p, gens in zip(PROMPTS, first) for g in gens)
+    assert sorted(len(k) for k in engine._turns) == sorted(len(p) + len(g[0].token_ids) - 1 for p, g in zip(PROMPTS, first))
+    second = _next_turns(PROMPTS, first)
+    before = engine.prefill_tokens
+    out = engine.generate(second, params)
+    assert _compare(out, plain.generate(second, params)) < 1e-4  # same tokens, log-probs within 1e-4
+    assert engine.turn_tokens_reused == kept
+    assert engine.prefill_tokens - before == sum(len(p) for p in second) - kept  # only the new tokens
+    for prompt, gens in zip(second, out):  # and a teacher-forced forward of each whole sequence agrees
+        ref_lp = teacher_forced(model, prompt, gens[0].token_ids, params.temperature, params.top_p)
+        assert torch.allclose(ref_lp, torch.tensor(gens[0].logprobs), atol=1e-4)
+    # a third turn reuses the second's keys (each entry is taken out when used, the new one kept)
+    third = _next_turns(second, out)
+    assert _compare(engine.generate(third, params), plain.generate(third, params)) < 1e-4
+    assert engine.turn_tokens_reused == kept + sum(len(p) + len(g[0].token_ids) - 1 for p, g in zip(second, out))
+
+
+def test_the_turn_store_is_bounded_dropped_on_new_weights_and_misses_other_prompts(tiny):
+    model, _ = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine = HFEngine(model)
+    first = engine.generate(PROMPTS, params)
+    assert len(engine._turns) == 3 and engine._turn_bytes == sum(e.nbytes for e in engine._turns.values())
+    # a prompt that does not extend a kept turn (its first token differs) reuses nothing
+    engine.generate([[7] + p[1:] for p in _next_turns(PROMPTS, first)], params)
+    assert engine.turn_tokens_reused == 0
+    # new weights: every kept turn is dropped
+    engine.update_weights(model)
+    assert not engine._turns and engine._turn_bytes == 0
+    engine.generate(_next_turns(PROMPTS, first), params)
+    assert engine.turn_tokens_reused == 0
+    # a bound of the largest entry cannot hold all three: the oldest go first (LRU); 0 is off
+    sizes = {len(k): e.nbytes for k, e in engine._turns.items()}
+    bound = max(sizes.values())
+    small = HFEngine(model, turn_cache_mb=bound / 2**20)
+    small.generate(PROMPTS, params)
+    assert 1 <= len(small._turns) < 3 and small._turn_bytes <= bound
+    assert small._turn_bytes == sum(e.nbytes for e in small._turns.values())
+    off = HFEngine(model, turn_cache_mb=0)
+    off.generate(PROMPTS, params)
+    assert not off._turns

@@ -30,7 +30,17 @@ log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst ca
 SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Step 2 runs only when every
 cache layer is a plain full-attention ``DynamicLayer``; sliding-window or recurrent layers would see
 the hole differently.
-``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped.
+3. across calls, an episode's previous turn (``turn_cache_mb > 0``, on with ``prefix_cache``): when
+   a row finishes, the keys and values of its real positions (prompt + sampled tokens but the last,
+   which was never fed) are kept, keyed by those tokens. A later prompt that starts with such a key
+   (the same episode's next turn: previous prompt + completion + tool result + generation prompt)
+   takes them and prefills only its new tokens. The rows' cached parts are right-aligned in the
+   batch cache: ``[pad | cached c_i | pad | new s_i]`` with the mask ``[0]*(C-c_i) + [1]*c_i +
+   [0]*(S-s_i) + [1]*s_i`` and positions continuing from ``c_i``. The store is an LRU bounded by
+   ``turn_cache_mb`` (an entry is taken out when used, and the whole store is dropped by
+   ``update_weights`` and ``clear_cache``: keys computed with older weights are never reused).
+``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped
+(``turn_tokens_reused`` the part of the latter that came from the turn cache).
 
 Weight sync (``update_weights``): the engine holds a *reference* to a module. Passing the trainer's
 module (a plain model or a peft/LoRA ``PeftModel``) makes the engine generate with it directly: no
@@ -41,6 +51,8 @@ tensors into the engine's own model in place (``load_state_dict``).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -87,6 +99,19 @@ def validate_params(params: SamplingParams) -> None:
         raise ValueError(f"n must be >= 1, got {params.n}")
 
 
+@dataclass
+class _TurnKV:
+    """One finished row's keys and values (per layer ``[H, n, D]``) for the ``n`` tokens of ``tokens``."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
 class HFEngine(Engine):
     """Batched sampler over a transformers causal LM (CPU or whatever device the model is on).
 
@@ -98,9 +123,13 @@ class HFEngine(Engine):
             addition to ``SamplingParams.stop_token_ids``.
         max_batch_size: rows decoded together; larger requests are split into chunks.
         pad_token_id: any id; padded positions are masked out, so the value does not matter.
-        prefix_cache: prefill identical prompts once and a chunk's shared prompt prefix once (see
-            the module docstring); ``False`` prefills every row's whole prompt.
+        prefix_cache: prefill identical prompts once, a chunk's shared prompt prefix once, and reuse
+            an episode's previous turn (see the module docstring); ``False`` prefills every row's
+            whole prompt.
         min_shared_prefix: shortest common prefix (tokens) worth a separate forward pass.
+        turn_cache_mb: memory bound of the previous-turn store (0: off). SmolLM2-135M holds about
+            46 KB per token (30 layers x 2 x 3 KV heads x 64 x 4 bytes), so 1024 MB keeps about 22k
+            tokens: 45 episodes of 500 tokens waiting for their env.
     """
 
     name = "hf"
@@ -121,6 +150,7 @@ class HFEngine(Engine):
         pad_token_id: int = 0,
         prefix_cache: bool = True,
         min_shared_prefix: int = 16,
+        turn_cache_mb: float = 1024.0,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -133,15 +163,21 @@ class HFEngine(Engine):
         self.pad_token_id = pad_token_id
         self.prefix_cache = prefix_cache
         self.min_shared_prefix = min_shared_prefix
+        if turn_cache_mb < 0:
+            raise ValueError("turn_cache_mb must be >= 0")
+        self.turn_cache_bytes = int(turn_cache_mb * 2**20) if prefix_cache else 0
+        self._turns: OrderedDict[tuple[int, ...], _TurnKV] = OrderedDict()  # LRU: oldest first
+        self._turn_bytes = 0
         # counters over the engine's life (benchmarks and tests read them):
         self.forward_calls = 0  # model forward passes
         self.prefill_tokens = 0  # prompt tokens run through the model (padding excluded)
         self.prefix_tokens_reused = 0  # prompt tokens whose keys/values were copied, not computed
+        self.turn_tokens_reused = 0  # of them, taken from an earlier call's finished row
 
     def __repr__(self) -> str:
         return (
             f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
-            f"prefix_cache={self.prefix_cache})"
+            f"prefix_cache={self.prefix_cache}, turn_cache_mb={self.turn_cache_bytes / 2**20:g})"
         )
 
     @property
@@ -224,6 +260,10 @@ class HFEngine(Engine):
                     finish[row] = "length"
                 else:
                     keep.append(b)
+            if self.turn_cache_bytes:
+                kept = set(keep)
+                done = [b for b in range(len(alive)) if b not in kept]
+                self._remember(cache, attention_mask, [(b, prompts[alive[b]] + tokens[alive[b]][:-1]) for b in done])
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -260,17 +300,116 @@ class HFEngine(Engine):
         first_seen: dict[tuple[int, ...], int] = {}
         row_source = [first_seen.setdefault(tuple(p), len(first_seen)) for p in prompts]
         distinct = [list(p) for p in first_seen]
-        prefix_len = self._shared_prefix_len(distinct, cache)
-        computed = prefix_len + sum(len(p) - prefix_len for p in distinct)
+        hits = self._take_turns(distinct, cache)
+        if any(hit is not None for hit in hits):
+            reused = sum(len(hit.tokens) for hit in hits if hit is not None)
+            computed = sum(len(p) for p in distinct) - reused
+            self.turn_tokens_reused += reused
+            logits, attention_mask, next_pos = self._prefill_after_turns(distinct, hits, cache)
+        else:
+            prefix_len = self._shared_prefix_len(distinct, cache)
+            computed = prefix_len + sum(len(p) - prefix_len for p in distinct)
+            logits, attention_mask, next_pos = self._prefill_rows(distinct, cache, prefix_len)
         self.prefill_tokens += computed
         self.prefix_tokens_reused += sum(len(p) for p in prompts) - computed
-        logits, attention_mask, next_pos = self._prefill_rows(distinct, cache, prefix_len)
         if len(distinct) < n_rows:
             # copy each distinct prompt's cache row, mask, position and logits to its rows
             source = torch.tensor(row_source, dtype=torch.long, device=logits.device)
             cache.batch_select_indices(source)
             logits, attention_mask, next_pos = logits[source], attention_mask[source], next_pos[source]
         return logits, attention_mask, next_pos
+
+    # -- previous-turn store -------------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Forget every kept turn (after the weights change, or to free the memory)."""
+        self._turns.clear()
+        self._turn_bytes = 0
+
+    @staticmethod
+    def _plain_layers(cache: Any) -> bool:
+        """Holes in the cache (between parts) are exact only for plain full-attention layers."""
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ()))
+
+    def _remember(self, cache: Any, attention_mask: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:
+        """Keep the real positions of finished batch rows ``b``, keyed by the tokens they hold."""
+        if not rows or not self._plain_layers(cache):
+            return
+        for b, tokens in rows:
+            where = attention_mask[b].nonzero().flatten()  # [n] real positions of row b
+            if where.numel() != len(tokens) or len(tokens) == 0:
+                continue  # a stored row must match its key token for token
+            entry = _TurnKV(
+                tuple(int(t) for t in tokens),
+                [layer.keys[b].index_select(1, where) for layer in cache.layers],  # [H, n, D] each
+                [layer.values[b].index_select(1, where) for layer in cache.layers],
+            )
+            if entry.nbytes > self.turn_cache_bytes:
+                continue
+            old = self._turns.pop(entry.tokens, None)
+            if old is not None:
+                self._turn_bytes -= old.nbytes
+            self._turns[entry.tokens] = entry
+            self._turn_bytes += entry.nbytes
+            while self._turn_bytes > self.turn_cache_bytes:
+                _, evicted = self._turns.popitem(last=False)
+                self._turn_bytes -= evicted.nbytes
+
+    def _take_turns(self, prompts: list[list[int]], cache: Any) -> list[_TurnKV | None]:
+        """For each prompt, the longest kept turn it extends (taken out of the store), or None.
+        A prompt keeps at least one token of its own, so its last logits are computed."""
+        if not self._turns or not self._plain_layers(cache):
+            return [None] * len(prompts)
+        hits: list[_TurnKV | None] = []
+        for prompt in prompts:
+            key = tuple(prompt)
+            best = None
+            for tokens in self._turns:
+                n = len(tokens)
+                if n < len(key) and (best is None or n > len(best)) and key[:n] == tokens:
+                    best = tokens
+            if best is None:
+                hits.append(None)
+                continue
+            entry = self._turns.pop(best)
+            self._turn_bytes -= entry.nbytes
+            hits.append(entry)
+        return hits
+
+    def _prefill_after_turns(
+        self, prompts: list[list[int]], hits: list[_TurnKV | None], cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Load each row's kept turn into ``cache`` right-aligned, then prefill the new tokens."""
+        device = self.device
+        n_rows = len(prompts)
+        cached = [len(hit.tokens) if hit is not None else 0 for hit in hits]
+        width = max(cached)
+        ref = next(hit for hit in hits if hit is not None)
+        for layer_index in range(len(ref.keys)):
+            keys = ref.keys[layer_index].new_zeros((n_rows, *ref.keys[layer_index].shape[:1], width,
+                                                    ref.keys[layer_index].shape[-1]))  # [B, H, C, D]
+            values = torch.zeros_like(keys)
+            for row, hit in enumerate(hits):
+                if hit is not None:
+                    keys[row, :, width - cached[row]:] = hit.keys[layer_index]
+                    values[row, :, width - cached[row]:] = hit.values[layer_index]
+            cache.update(keys.to(device), values.to(device), layer_index)
+        suffixes = [p[c:] for p, c in zip(prompts, cached)]
+        max_len = max(len(s) for s in suffixes)
+        input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
+        suffix_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
+        cached_mask = torch.zeros((n_rows, width), dtype=torch.long)
+        for i, (s, c) in enumerate(zip(suffixes, cached)):
+            input_ids[i, max_len - len(s):] = torch.tensor(s, dtype=torch.long)
+            suffix_mask[i, max_len - len(s):] = 1
+            cached_mask[i, width - c:] = 1
+        input_ids, suffix_mask, cached_mask = input_ids.to(device), suffix_mask.to(device), cached_mask.to(device)
+        start = torch.tensor(cached, dtype=torch.long, device=device)[:, None]  # [B, 1]
+        position_ids = start + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        attention_mask = torch.cat([cached_mask, suffix_mask], dim=-1)  # [B, C + S]
+        logits = self._forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+        return logits, attention_mask, position_ids[:, -1:] + 1
 
     def _shared_prefix_len(self, prompts: list[list[int]], cache: Any) -> int:
         """Tokens of the common prefix worth computing once (0 when not worth it or not safe)."""
@@ -341,6 +480,7 @@ class HFEngine(Engine):
           ``base_model.model.`` prefix; LoRA factor tensors are refused (pass the peft model, or
           merge the adapter first), as are names the model does not have.
         """
+        self.clear_cache()  # keys and values computed with the old weights must not be reused
         if isinstance(model_or_state, torch.nn.Module):
             self.model = model_or_state
             return

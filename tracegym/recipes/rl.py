@@ -127,6 +127,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         "episode/generated_tokens": mean([t.num_generated_tokens for t in episodes]),
         "env/errors": float(sum(r.stats.failed for r in results)),
         "rollout/tokens_per_s": mean([r.stats.tokens_per_s for r in results]),
+        "rollout/generated_tokens": float(sum(r.stats.generated_tokens for r in results)),  # what the engine sampled
     }
     for r in results:
         for reason, count in r.stats.end_reasons.items():
