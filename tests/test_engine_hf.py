@@ -279,10 +279,15 @@ def test_prefix_cache_across_chunks_and_stops(tiny):
     ref = HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS, params)
     assert any(g.finish_reason == "stop" for gens in ref for g in gens)
     for batch in (1, 3, 5, 8):
-        engine = HFEngine(model, max_batch_size=batch)
+        engine = HFEngine(model, max_batch_size=batch, turn_cache_mb=0)
         assert _compare(engine.generate(SHARED_PROMPTS, params), ref) < 1e-4
-        # batch 1: nothing to share; otherwise each chunk reuses its prefix and repeated prompts
+        # batch 1: nothing to share within a chunk; otherwise each chunk reuses its prefix and repeats
         assert (engine.prefix_tokens_reused == 0) == (batch == 1)
+        # with the turn store, a later chunk also takes SHARED from an earlier chunk's finished rows
+        stored = HFEngine(model, max_batch_size=batch)
+        assert _compare(stored.generate(SHARED_PROMPTS, params), ref) < 1e-4
+        assert (stored.turn_tokens_reused > 0) == (batch < 8)  # 8 rows: one chunk at batch 8
+        assert stored.prefix_tokens_reused >= engine.prefix_tokens_reused
     whole = HFEngine(model, max_batch_size=8)
     whole.generate(SHARED_PROMPTS, params)
     assert whole.prefill_tokens == 40 + sum(len(s) for s in SUFFIXES)
@@ -398,3 +403,22 @@ def test_the_turn_store_is_bounded_dropped_on_new_weights_and_misses_other_promp
     off = HFEngine(model, turn_cache_mb=0)
     off.generate(PROMPTS, params)
     assert not off._turns
+
+
+def test_a_prompt_sharing_part_of_a_kept_turn_takes_that_part(tiny):
+    # a tree branch forking at an earlier turn, or another episode's system prompt: the prompt
+    # shares the first 40 tokens (SHARED) of a kept entry, then goes its own way
+    model, _ = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
+    engine.generate([SHARED_PROMPTS[3]], params)
+    (kept,) = list(engine._turns)
+    branch = SHARED + [19, *_ids(5, 4)]
+    out = engine.generate([branch], params)
+    assert _compare(out, plain.generate([branch], params)) < 1e-4
+    assert engine.turn_tokens_reused == 40 and engine.prefill_tokens == len(SHARED_PROMPTS[3]) + len(branch) - 40
+    assert kept in engine._turns  # only a part was used: the entry stays for its own episode
+    # under min_shared_prefix common tokens, nothing is taken
+    short = SHARED[:10] + [23, *_ids(20, 5)]
+    engine.generate([short], params)
+    assert engine.turn_tokens_reused == 40

@@ -1,10 +1,14 @@
 """Show which tokens of a trajectory are trained on.
 
 ``load_records`` reads a JSONL (or Parquet) file of ``Trajectory`` or ``TrainingExample`` rows,
-telling which by the keys. ``inspect_plain`` returns a plain-text view: a header with counts per
-record, then every example's text with newlines shown as ``\\n`` and the trained spans (loss mask 1)
-wrapped in ``[[...]]``. ``inspect_rich`` is the same view for a terminal, one coloured token at a
-time (trained tokens on a green background, the rest dim; shades alternate so token boundaries show).
+telling which by the keys. Parquet: the columnar schemas of ``tracegym.data.parquet`` (what
+``rollout --parquet`` and ``export --examples`` write), and the older files that hold JSON text
+(a ``trajectory_json`` column, or JSON in the ``messages``/``turns``/... columns).
+
+``inspect_plain`` returns a plain-text view: a header with counts per record, then every example's
+text with newlines shown as ``\\n`` and the trained spans (loss mask 1) wrapped in ``[[...]]``.
+``inspect_rich`` is the same view for a terminal, one coloured token at a time (trained tokens on a
+green background, the rest dim; shades alternate so token boundaries show).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
 
 # Columns that a Parquet writer may have stored as JSON text instead of nested structs.
 _JSON_COLUMNS = ("messages", "turns", "tools", "metrics", "info")
+# The column of the first ``rollout --parquet`` files that held each whole trajectory as JSON.
+_TRAJECTORY_JSON_COLUMN = "trajectory_json"
 
 
 @dataclass
@@ -47,10 +53,17 @@ def _kind_of(row: dict[str, Any]) -> RecordKind:
 
 def _read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-        for row in rows:
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except pa.ArrowException as exc:
+            raise ValueError(f"{path} is not a readable Parquet file: {' '.join(str(exc).split())}") from exc
+        for number, row in enumerate(rows):
+            # tracegym's first Parquet export: summary columns plus the whole trajectory as JSON
+            if isinstance(row.get(_TRAJECTORY_JSON_COLUMN), str):
+                rows[number] = row = json.loads(row[_TRAJECTORY_JSON_COLUMN])
             for key in _JSON_COLUMNS:
                 if isinstance(row.get(key), str):
                     row[key] = json.loads(row[key])
@@ -58,11 +71,29 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
     return read_json_rows(path)
 
 
+def _load_columnar_parquet(path: Path) -> LoadedRecords | None:
+    """The records of a file in one of the schemas of ``tracegym.data.parquet``; None for any other
+    Parquet file (the older JSON-text ones are read row by row)."""
+    from tracegym.data.parquet import parquet_kind, read_examples_parquet, read_trajectories_parquet
+
+    kind = parquet_kind(path)
+    if kind is None:
+        return None
+    records: list[Any] = read_trajectories_parquet(path) if kind == "trajectory" else read_examples_parquet(path)
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return LoadedRecords(kind=kind, records=records)
+
+
 def load_records(path: str | Path) -> LoadedRecords:
     """Read Trajectory or TrainingExample rows (JSONL, or Parquet with the same columns)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
+    if path.suffix == ".parquet":
+        columnar = _load_columnar_parquet(path)
+        if columnar is not None:
+            return columnar
     rows, skipped = _read_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no records")

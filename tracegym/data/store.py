@@ -4,8 +4,8 @@ The rollout runner writes each trajectory the moment its episode ends, so a cras
 the episodes still in flight; a line torn by a crash mid-write is skipped by the reader, with a
 warning naming ``file:line``. ``read_trajectories_checked`` lets the caller choose between skipping
 bad lines (torn, not JSON, or JSON that is not a Trajectory) and failing on the first one.
-``export_parquet`` turns a JSONL file into a Parquet table (one row per trajectory: the summary
-columns for quick filtering plus the full trajectory as JSON) for analysis tools.
+``export_parquet`` turns a JSONL file into a Parquet table in the fixed columnar schema of
+``tracegym.data.parquet`` (one row per trajectory), which other tools load across envs in one call.
 """
 
 from __future__ import annotations
@@ -127,39 +127,8 @@ def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
 
 
 def export_parquet(jsonl_path: str | Path, parquet_path: str | Path) -> int:
-    """Write a Parquet table from a JSONL trajectory file; returns the number of rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """Write a JSONL trajectory file as Parquet in ``tracegym.data.parquet.TRAJECTORY_SCHEMA`` (real
+    nested columns, the same schema for every env, written atomically); returns the number of rows."""
+    from tracegym.data.parquet import write_trajectories_parquet
 
-    rows: dict[str, list] = {
-        k: []
-        for k in (
-            "env", "task_id", "split", "sample_index", "policy", "reward", "success", "end_reason",
-            "error", "num_turns", "num_generated_tokens", "trajectory_json",
-        )
-    }
-    for t in read_trajectories(jsonl_path):
-        rows["env"].append(t.env)
-        rows["task_id"].append(t.task_id)
-        rows["split"].append(t.split)
-        rows["sample_index"].append(t.sample_index)
-        rows["policy"].append(t.policy)
-        rows["reward"].append(float(t.reward))
-        rows["success"].append(bool(t.success))
-        rows["end_reason"].append(t.end_reason)
-        rows["error"].append(t.error)
-        rows["num_turns"].append(len(t.turns))
-        rows["num_generated_tokens"].append(t.num_generated_tokens)
-        rows["trajectory_json"].append(t.model_dump_json())
-    schema = pa.schema(
-        [
-            ("env", pa.string()), ("task_id", pa.string()), ("split", pa.string()),
-            ("sample_index", pa.int64()), ("policy", pa.string()), ("reward", pa.float64()),
-            ("success", pa.bool_()), ("end_reason", pa.string()), ("error", pa.string()),
-            ("num_turns", pa.int64()), ("num_generated_tokens", pa.int64()), ("trajectory_json", pa.string()),
-        ]
-    )
-    table = pa.table(rows, schema=schema)
-    Path(parquet_path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, parquet_path)
-    return table.num_rows
+    return write_trajectories_parquet(read_trajectories(jsonl_path), parquet_path)

@@ -14,7 +14,8 @@ sequence to ~1e-6 (tested).
 
 Shared prompts (``prefix_cache=True``, the default): agent prompts in one chunk mostly start with
 the same system prompt and tool schemas, and RL groups / pass@k repeat whole prompts n times, so
-prefill would recompute the same keys and values many times. Two exact savings, in this order:
+prefill would recompute the same keys and values many times; and an episode's next turn repeats its
+whole previous turn. Three exact savings:
 
 1. identical prompts are prefilled once; their cache rows and last logits are then copied to every
    row that asked for them (``batch_select_indices`` with repeated indices);
@@ -23,22 +24,24 @@ prefill would recompute the same keys and values many times. Two exact savings, 
    (``batch_repeat_interleave``), and only the left-padded suffixes are prefilled. The cache then
    reads ``[prefix | pad | suffix]``: the 2D attention mask ``[1]*P + [0]*pad + [1]*S`` leaves a hole
    that transformers' mask creation turns into a per-key padding mask, and position ids continue
-   from ``P`` so every real token sits at the position it has in its own unpadded sequence.
-
-Both change only float rounding (the same tokens are computed in other batch shapes): in fp32 the
-log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst case measured on
-SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Step 2 runs only when every
-cache layer is a plain full-attention ``DynamicLayer``; sliding-window or recurrent layers would see
-the hole differently.
+   from ``P`` so every real token sits at the position it has in its own unpadded sequence;
 3. across calls, an episode's previous turn (``turn_cache_mb > 0``, on with ``prefix_cache``): when
    a row finishes, the keys and values of its real positions (prompt + sampled tokens but the last,
    which was never fed) are kept, keyed by those tokens. A later prompt that starts with such a key
    (the same episode's next turn: previous prompt + completion + tool result + generation prompt)
-   takes them and prefills only its new tokens. The rows' cached parts are right-aligned in the
-   batch cache: ``[pad | cached c_i | pad | new s_i]`` with the mask ``[0]*(C-c_i) + [1]*c_i +
-   [0]*(S-s_i) + [1]*s_i`` and positions continuing from ``c_i``. The store is an LRU bounded by
-   ``turn_cache_mb`` (an entry is taken out when used, and the whole store is dropped by
-   ``update_weights`` and ``clear_cache``: keys computed with older weights are never reused).
+   takes them and prefills only its new tokens (a prompt sharing only a part of an entry, e.g. a
+   tree branch forking at an earlier turn or another episode's system prompt, takes that part).
+   The rows' cached parts are right-aligned in the batch cache: ``[pad | cached c_i | pad | new
+   s_i]`` with the mask ``[0]*(C-c_i) + [1]*c_i + [0]*(S-s_i) + [1]*s_i`` and positions continuing
+   from ``c_i``. The store is an LRU bounded by ``turn_cache_mb``; an entry extended whole leaves it
+   (the new turn's row replaces it), and ``update_weights`` / ``clear_cache`` drop it all: keys
+   computed with older weights are never reused.
+
+All three change only float rounding (the same tokens are computed in other batch shapes): in fp32
+the log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst case measured on
+SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Steps 2 and 3 run only when
+every cache layer is a plain full-attention ``DynamicLayer``; sliding-window or recurrent layers
+would see the holes differently.
 ``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped
 (``turn_tokens_reused`` the part of the latter that came from the turn cache).
 
@@ -356,25 +359,50 @@ class HFEngine(Engine):
                 _, evicted = self._turns.popitem(last=False)
                 self._turn_bytes -= evicted.nbytes
 
+    @staticmethod
+    def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        """Length of the longest common prefix (binary search over C-speed tuple compares)."""
+        low, high = 0, min(len(a), len(b))
+        while low < high:
+            mid = (low + high + 1) // 2
+            if a[:mid] == b[:mid]:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def _take_turns(self, prompts: list[list[int]], cache: Any) -> list[_TurnKV | None]:
-        """For each prompt, the longest kept turn it extends (taken out of the store), or None.
-        A prompt keeps at least one token of its own, so its last logits are computed."""
+        """For each prompt, the kept keys/values of its longest prefix held in the store (a whole
+        entry, or a part of at least ``min_shared_prefix`` tokens), or None. A prompt keeps at least one token of its own, so its
+        last logits are computed. The usual hit is a whole entry (the episode's previous turn); a
+        part of one also counts (a tree branch or a continuation forking from an earlier turn, or
+        the system prompt another episode already computed). Entries a prompt extends whole are
+        superseded by that prompt's own row when it finishes, so they leave the store."""
         if not self._turns or not self._plain_layers(cache):
             return [None] * len(prompts)
         hits: list[_TurnKV | None] = []
+        superseded: set[tuple[int, ...]] = set()
         for prompt in prompts:
             key = tuple(prompt)
-            best = None
+            best, best_len = None, 0
             for tokens in self._turns:
-                n = len(tokens)
-                if n < len(key) and (best is None or n > len(best)) and key[:n] == tokens:
-                    best = tokens
-            if best is None:
+                n = self._common_prefix(key, tokens)
+                n = min(n, len(key) - 1)
+                if n > best_len:
+                    best, best_len = tokens, n
+            if best is None or (best_len < len(best) and best_len < self.min_shared_prefix):  # short parts: not worth it
                 hits.append(None)
                 continue
-            entry = self._turns.pop(best)
-            self._turn_bytes -= entry.nbytes
-            hits.append(entry)
+            entry = self._turns[best]
+            self._turns.move_to_end(best)  # recently used
+            if best_len == len(best):
+                superseded.add(best)
+                hits.append(entry)
+            else:  # the first best_len positions only (copies; the entry stays whole)
+                hits.append(_TurnKV(best[:best_len], [k[:, :best_len] for k in entry.keys],
+                                    [v[:, :best_len] for v in entry.values]))
+        for tokens in superseded:
+            self._turn_bytes -= self._turns.pop(tokens).nbytes
         return hits
 
     def _prefill_after_turns(
