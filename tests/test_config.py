@@ -11,6 +11,7 @@ import yaml
 
 from tracegym.config import (
     ConfigError,
+    DPOConfig,
     LoraConfig,
     RLConfig,
     SFTConfig,
@@ -23,7 +24,7 @@ from tracegym.config import (
 
 import tracegym.algos  # noqa: F401  (fills the registries)
 from tracegym.algos.config import PolicyLossConfig
-from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
+from tracegym.algos.registry import ADVANTAGE_ESTIMATORS, PREFERENCE_LOSSES
 from tracegym.envs.registry import BUILTIN_ENVS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -154,7 +155,7 @@ def test_dump_round_trips(tmp_path):
     assert yaml.safe_load(path.read_text())["lora"]["r"] == 4
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig])
 def test_every_field_has_a_description(cls):
     rows = describe_fields(cls)
     undocumented = [key for key, _, _, description in rows if not description.strip()]
@@ -177,10 +178,14 @@ def test_every_example_config_loads():
     for env in ("calculator", "search", "gridworld", "service"):
         assert f"sft_{env}.yaml" in names and f"rl_{env}.yaml" in names
     for file in files:
-        cls = SFTConfig if file.name.startswith("sft_") else RLConfig
-        assert file.name.startswith(("sft_", "rl_")), file.name
+        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig}
+        prefix = file.name.split("_", 1)[0]
+        assert prefix in classes, file.name
+        cls = classes[prefix]
         cfg = load_config(cls, file)
         assert isinstance(cfg, cls)
+        if isinstance(cfg, DPOConfig):
+            assert cfg.loss.name in PREFERENCE_LOSSES, cfg.loss.name
         if isinstance(cfg, RLConfig):
             assert cfg.env.name in BUILTIN_ENVS, f"{file.name}: unknown env {cfg.env.name!r}"
             env_class = _import(BUILTIN_ENVS[cfg.env.name])
@@ -191,7 +196,7 @@ def test_every_example_config_loads():
             assert cfg.advantage.estimator in ADVANTAGE_ESTIMATORS, cfg.advantage.estimator
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig])
 def test_docs_describe_every_key(cls):
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     missing = [key for key, kind, _, _ in describe_fields(cls) if kind != "section" and f"`{key}`" not in docs]

@@ -12,6 +12,9 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
   model: ``POLICY_LOSSES.register(name, options=Model)``; built in: ``ppo_clip``, ``gspo``,
   ``policy_gradient``. The recipe calls ``compute_policy_loss(batch_part, logprobs, entropy,
   PolicyLossConfig)``, which applies mask, TIS weights, aggregation, KL and entropy once.
+- Preference losses: ``fn(inputs: PairLogps | LabelledLogps, opts) -> (per_item_loss, metrics)`` on
+  sequence log-probs of whole trajectories, registered in ``PREFERENCE_LOSSES``: ``dpo``, ``dmpo``
+  (per-turn discount weights ``dmpo_turn_weights``), ``kto`` (labelled single trajectories).
 - SFT: ``sft_loss``; KL: ``kl_per_token``, ``kl_penalized_rewards``, ``kl_penalized_advantages``;
   TIS: ``truncated_importance_weights``.
 
@@ -25,6 +28,7 @@ from typing import Any
 from torch import Tensor
 
 # importing each module registers it
+from tracegym.algos import dmpo, dpo, kto  # noqa: F401  (preference losses)
 from tracegym.algos import dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
 from tracegym.algos.advantages import (
     EstimatorResult,
@@ -48,7 +52,17 @@ from tracegym.algos.gspo import GSPOOptions
 from tracegym.algos.kl import KL_ESTIMATORS, kl_penalized_advantages, kl_penalized_rewards, kl_per_token
 from tracegym.algos.loss_inputs import LossInputs
 from tracegym.algos.ppo_clip import PPOClipOptions
-from tracegym.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry
+from tracegym.algos.dmpo import DMPOOptions, dmpo_turn_weights
+from tracegym.algos.dpo import DPOOptions, dpo_loss
+from tracegym.algos.kto import KTOOptions, kto_loss, kto_reference_point
+from tracegym.algos.preference_inputs import (
+    LabelledLogps,
+    PairLogps,
+    PreferenceOptions,
+    preference_loss_options,
+    sequence_logps,
+)
+from tracegym.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, PREFERENCE_LOSSES, Registry
 from tracegym.algos.sft import sft_loss
 from tracegym.algos.tis import truncated_importance_weights
 from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advantages
@@ -56,6 +70,19 @@ from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advan
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DMPOOptions",
+    "DPOOptions",
+    "KTOOptions",
+    "LabelledLogps",
+    "PREFERENCE_LOSSES",
+    "PairLogps",
+    "PreferenceOptions",
+    "dmpo_turn_weights",
+    "dpo_loss",
+    "kto_loss",
+    "kto_reference_point",
+    "preference_loss_options",
+    "sequence_logps",
     "AGGREGATIONS",
     "GSPOOptions",
     "KL_ESTIMATORS",

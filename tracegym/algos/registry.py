@@ -1,4 +1,4 @@
-"""Open name -> algorithm registries: advantage estimators and policy losses.
+"""Open name -> algorithm registries: advantage estimators, policy losses and preference losses.
 
 Each algorithm registers itself with a decorator, with the options model it accepts::
 
@@ -182,3 +182,12 @@ POLICY_LOSSES: Registry[Callable] = Registry(
 )
 """``fn(inputs: LossInputs, opts) -> (per_token [B, T], metrics)``; ``compose.compute_policy_loss``
 applies masks, importance weights, aggregation, KL and entropy terms once, for every loss."""
+
+PREFERENCE_LOSSES: Registry[Callable] = Registry(
+    "preference loss",
+    "(inputs: PairLogps | LabelledLogps, opts) -> (per-item loss [P] or [N], metrics dict)",
+)
+"""``fn(inputs, opts) -> (per_item_loss, metrics)`` on sequence log-probs of whole trajectories
+(``tracegym.algos.preference_inputs``): ``PairLogps`` for pair losses (dpo, dmpo), ``LabelledLogps``
+for losses on single labelled trajectories (kto); the options model (a ``PreferenceOptions``) says
+which with its ``data`` class attribute, and gives the per-turn weights of the sequence log-probs."""
