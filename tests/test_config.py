@@ -11,6 +11,7 @@ import yaml
 
 from tracegym.config import (
     ConfigError,
+    DistillConfig,
     DPOConfig,
     LoraConfig,
     RLConfig,
@@ -155,7 +156,7 @@ def test_dump_round_trips(tmp_path):
     assert yaml.safe_load(path.read_text())["lora"]["r"] == 4
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig])
 def test_every_field_has_a_description(cls):
     rows = describe_fields(cls)
     undocumented = [key for key, _, _, description in rows if not description.strip()]
@@ -178,7 +179,7 @@ def test_every_example_config_loads():
     for env in ("calculator", "search", "gridworld", "service"):
         assert f"sft_{env}.yaml" in names and f"rl_{env}.yaml" in names
     for file in files:
-        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig}
+        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig}
         prefix = file.name.split("_", 1)[0]
         assert prefix in classes, file.name
         cls = classes[prefix]
@@ -196,7 +197,7 @@ def test_every_example_config_loads():
             assert cfg.advantage.estimator in ADVANTAGE_ESTIMATORS, cfg.advantage.estimator
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig])
 def test_docs_describe_every_key(cls):
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     missing = [key for key, kind, _, _ in describe_fields(cls) if kind != "section" and f"`{key}`" not in docs]

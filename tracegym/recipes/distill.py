@@ -1,0 +1,442 @@
+"""On-policy distillation (``tracegym distill``): the student learns from a teacher on its own samples.
+
+One step, top to bottom (``train_distill`` below reads exactly like this)::
+
+    tasks   = tasks_at(train_tasks, seed, cursor, tasks_per_step)       # rl.py: seeded, resumable order
+    groups  = collect_groups(sampler, cfg, tasks, renderer, seed=...)   # rl.py: student episodes, engine log-probs kept
+    data    = examples_from_groups(groups, renderer)                    # advantages 0; loss mask 1 on sampled tokens
+    batch   = score_with_teacher(model, teacher, make_batch(data), ...) # teacher log-probs of the sampled tokens,
+                                                                        # A_t = -(log pi_student - log pi_teacher)
+    metrics = policy_update(model, batch, loss, optimizer)              # importance-weighted PG (TIS to the sampler)
+              or jsd_update(model, teacher, batch, beta, optimizer)     # GKD: generalized JSD over the vocabulary
+    sampler.update_weights(model)
+
+The rollout pieces of ``tracegym.recipes.rl`` (``collect_groups``, ``load_policy``, ``make_sampler``,
+``evaluate_policy``) read ``cfg.model``, ``cfg.lora``, ``cfg.env``, ``cfg.rollout``, ``cfg.eval`` and
+``cfg.group_size``; ``DistillConfig`` has exactly those sections under the same names, so it is passed
+to them as it is (no adapter object, nothing copied).
+
+Why the advantage is ``-(log pi_student - log pi_teacher)``: the reverse KL
+``KL(pi_s || pi_T) = E_{y ~ pi_s} [log pi_s(y) - log pi_T(y)]`` of a sampled sequence is a sum over its
+tokens, and its policy gradient is ``E[sum_t (log pi_s(y_t) - log pi_T(y_t)) grad log pi_s(y_t)]``
+(plus terms that vanish in expectation, and the future tokens' terms, which this per-token form drops
+as tinker-cookbook and the Qwen3 report do: no discount, no sum over later tokens). So each sampled
+token is a policy-gradient sample with reward ``log pi_T - log pi_s``: the teacher grades every token,
+a dense signal where RL has one reward per episode. The samples come from the sampler (an engine
+that may differ slightly from the trainer); ``tis_cap`` weighs each token by
+``min(pi_old / pi_sampler, cap)`` (``tracegym.algos.tis``), the importance weight to the sampler.
+
+The student log-prob in ``A_t`` is the trainer's own scoring of the sampled tokens
+(``student_logprobs: trainer``, the exact gradient above; TIS needs this scoring anyway) or the
+engine's recorded one (``sampler``). The teacher scores at temperature 1 (its own distribution);
+the student at the sampling temperature (the distribution it sampled from; 1 by default).
+
+``loss: jsd`` (GKD, Agarwal et al. 2024) replaces the sampled-token estimate by the exact generalized
+Jensen-Shannon divergence between the student's and the teacher's next-token distributions at every
+sampled position (the states come from the student; the whole vocabulary is compared there), which
+needs the teacher's full logits: a local teacher. It is computed chunk by chunk of positions without
+extra ``[B, L, V]`` float copies (``generalized_jsd``), like ``tracegym.train.logprobs``.
+
+Not here: a teacher served by vLLM or an OpenAI-compatible server (prompt log-probs). The engines
+(``tracegym/engines/vllm.py``, ``openai.py``) return the log-probs of sampled tokens only, not of a
+given prompt, so the teacher is a local model folder (+ adapter) with the student's tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tracegym.algos.aggregation import aggregate, masked_mean
+from tracegym.algos.config import PolicyLossConfig
+from tracegym.batch import Batch, examples_from_groups, make_batch, split_microbatches
+from tracegym.config import DistillConfig, TeacherConfig, dump_config
+from tracegym.recipes.rl import collect_groups, evaluate_policy, load_policy, make_sampler, rollout_metrics, tasks_at
+from tracegym.render import get_renderer
+from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
+from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logprobs import _forward_logits, _pad_front
+from tracegym.train.lora import count_parameters
+from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+from tracegym.train.policy_update import batch_logprobs, policy_update, reduce_part_metrics, score_batch
+from tracegym.train.result import TrainResult
+from tracegym.train.seed import seed_everything
+
+JSD_CHUNK_ROWS = 256  # positions per chunk: a few [256, V] float32 temporaries (49k vocab: ~50 MB each)
+
+
+class DistillResult(TrainResult):
+    """What ``train_distill`` returns: the run folder, the final model folder (None when stopped
+    early), the last step and the rows this invocation logged."""
+
+
+# --- the teacher -----------------------------------------------------------------------------------
+
+
+def load_teacher(teacher_cfg: TeacherConfig, dtype: str, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """(frozen teacher in eval mode on ``device``, its tokenizer): ``teacher.model`` loaded like any
+    model (an adapter folder is merged onto its base), then ``teacher.adapter`` merged on top."""
+    from tracegym.models import load
+
+    teacher, tokenizer = load(teacher_cfg.model, dtype)
+    if teacher_cfg.adapter is not None:
+        from peft import PeftModel
+
+        adapter = Path(teacher_cfg.adapter)
+        if not (adapter / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"teacher.adapter: no peft adapter (adapter_config.json) in {adapter}")
+        # merged: the teacher is then a plain model, one forward pass with no adapter indirection
+        teacher = PeftModel.from_pretrained(teacher, str(adapter)).merge_and_unload()
+    return teacher.requires_grad_(False).eval().to(device), tokenizer
+
+
+# Strings whose token ids must agree: plain text, digits, whitespace, accents, and the chat markup
+# the renderers write (the special tokens themselves are compared by id below as well).
+TOKENIZER_PROBES = (
+    "Hello world! What is 12 * 7 + 3?",
+    "  indented\n\ttab 0.5e-3 é ü 你好",
+    "<|im_start|>assistant\n<tool_call>\n{\"name\": \"calculate\"}\n</tool_call><|im_end|>\n",
+)
+
+
+def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:
+    """Why ``teacher`` would not tokenize like ``student`` (None when they agree): vocabulary size,
+    the id of every special token of the student (chat markers included), the ids of the probes."""
+    if len(student) != len(teacher):
+        return f"vocabulary sizes differ ({len(student)} vs {len(teacher)})"
+    for token in dict.fromkeys(getattr(student, "all_special_tokens", [])):
+        ours, theirs = student.convert_tokens_to_ids(token), teacher.convert_tokens_to_ids(token)
+        if ours != theirs:
+            return f"special token {token!r} has id {ours} for the student but {theirs} for the teacher"
+    for text in TOKENIZER_PROBES:
+        if student.encode(text, add_special_tokens=False) != teacher.encode(text, add_special_tokens=False):
+            return f"{text!r} tokenizes differently"
+    return None
+
+
+def check_same_tokenizer(student: Any, teacher: Any, teacher_name: str) -> None:
+    """Raise a one-line ``ValueError`` when the teacher's tokenizer differs from the student's:
+    the teacher scores the student's token ids one for one, so they must mean the same text."""
+    problem = tokenizer_mismatch(student, teacher)
+    if problem is not None:
+        raise ValueError(f"teacher {teacher_name!r} does not share the student's tokenizer: {problem}; "
+                         "distillation scores the student's tokens with the teacher id for id")
+
+
+# --- advantages ------------------------------------------------------------------------------------
+
+
+def distill_advantages(
+    student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, clip: float | None = None
+) -> Tensor:
+    """Per-token advantage ``A_t = -(log pi_student(y_t) - log pi_teacher(y_t))`` on ``mask`` tokens,
+    0 elsewhere; clipped to ``[-clip, clip]`` when ``clip`` is set. All tensors [B, T], target-aligned."""
+    if not student_logprobs.shape == teacher_logprobs.shape == mask.shape:
+        raise ValueError(f"student {tuple(student_logprobs.shape)}, teacher {tuple(teacher_logprobs.shape)} and "
+                         f"mask {tuple(mask.shape)} log-probs must have one shape")
+    advantages = teacher_logprobs - student_logprobs
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    # where, not a product: values at unmasked columns (padding, prompt) may be anything, even inf
+    return torch.where(mask.bool(), advantages, torch.zeros_like(advantages))
+
+
+def score_with_teacher(
+    model: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, loss_cfg: PolicyLossConfig, *,
+    micro_batch_size: int, temperature: float, student_logprobs: str = "trainer", advantage_clip: float | None = None,
+    top_p: float = 1.0,
+) -> tuple[Batch, dict[str, float]]:
+    """``batch`` with the distillation advantages and what the loss needs, and the ``distill/`` metrics.
+
+    ``score_batch`` adds the trainer's old log-probs when the loss needs them (TIS); the teacher
+    scores the sampled tokens at temperature 1; the student log-prob in ``A_t`` is the trainer's
+    (``student_logprobs="trainer"``, recomputed here if ``score_batch`` did not) or the engine's
+    (``"sampler"``; rows without engine log-probs fall back to the trainer's).
+    """
+    batch = score_batch(model, None, batch, loss_cfg, micro_batch_size=micro_batch_size, temperature=temperature,
+                        epochs=1, top_p=top_p)
+    teacher_logprobs = batch_logprobs(teacher, batch, micro_batch_size, temperature=1.0)  # [B, T]
+    trainer_missing = student_logprobs == "trainer" or not bool(batch.has_engine_logprobs.all())
+    if trainer_missing and batch.old_logprobs is None:
+        # the old policy is the current one (a single pass): the same numbers TIS would compare
+        batch = batch.with_logprobs(old=batch_logprobs(model, batch, micro_batch_size, temperature=temperature))
+    if student_logprobs == "trainer":
+        student = batch.old_logprobs
+    else:
+        known = batch.has_engine_logprobs[:, None]  # [B, 1]
+        student = batch.engine_logprobs if batch.old_logprobs is None else torch.where(
+            known, batch.engine_logprobs, batch.old_logprobs)
+    assert student is not None
+    mask = batch.loss_mask
+    advantages = distill_advantages(student, teacher_logprobs, mask, advantage_clip)
+    log_ratio = torch.where(mask.bool(), student - teacher_logprobs, torch.zeros_like(student))  # [B, T]
+    metrics = {
+        "distill/reverse_kl": float(masked_mean(log_ratio, mask)),  # single-sample estimate per token
+        "distill/teacher_logprob": float(masked_mean(torch.where(mask.bool(), teacher_logprobs, 0.0), mask)),
+        "distill/student_logprob": float(masked_mean(torch.where(mask.bool(), student, 0.0), mask)),
+        "distill/tokens": float(mask.sum()),
+    }
+    if advantage_clip is not None:
+        clipped = (log_ratio.abs() > advantage_clip) & mask.bool()
+        metrics["distill/advantage_clipped_frac"] = float(masked_mean(clipped.float(), mask))
+    return dataclasses.replace(batch, advantages=advantages), metrics
+
+
+# --- GKD: generalized Jensen-Shannon divergence ----------------------------------------------------
+
+
+def _jsd_rows(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Generalized JSD per row of two log-distributions [n, V] -> [n] (float32)."""
+    def kl(p_log: Tensor, q_log: Tensor) -> Tensor:  # KL(p || q) per row; 0 * log 0 = 0
+        p = p_log.exp()
+        return torch.where(p > 0, p * (p_log - q_log), torch.zeros_like(p)).sum(-1)
+
+    if beta == 0.0:
+        return kl(teacher_logp, student_logp)  # forward KL(T || S)
+    if beta == 1.0:
+        return kl(student_logp, teacher_logp)  # reverse KL(S || T)
+    mixture = torch.logaddexp(student_logp + math.log(1.0 - beta), teacher_logp + math.log(beta))  # log M
+    return beta * kl(teacher_logp, mixture) + (1.0 - beta) * kl(student_logp, mixture)
+
+
+def _jsd_grad_rows(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """d JSD / d student logits [n, V]. With S = softmax(z) and g_i = dJ/dS_i, dJ/dz = S (g - sum S g):
+    beta in (0,1): g = (1-beta) log(S/M) (the terms of d log M cancel since sum M d(log M) = 0);
+    beta = 1: g = log S - log T + 1 (the 1 cancels); beta = 0: dJ/dz = S - T directly."""
+    p = student_logp.exp()
+    if beta == 0.0:
+        return p - teacher_logp.exp()
+    if beta == 1.0:
+        g = student_logp - teacher_logp
+    else:
+        mixture = torch.logaddexp(student_logp + math.log(1.0 - beta), teacher_logp + math.log(beta))
+        g = (1.0 - beta) * (student_logp - mixture)
+    return p * (g - (p * g).sum(-1, keepdim=True))
+
+
+class _ChunkedGeneralizedJSD(torch.autograd.Function):
+    """(student logits [N, V], teacher logits [N, V], rows [R]) -> JSD [N] float32, 0 off ``rows``.
+
+    Saves only the two logits tensors (which exist anyway); forward and backward take the
+    log-softmax of ``chunk_rows`` selected positions at a time, so temporaries stay [chunk, V]."""
+
+    @staticmethod
+    def forward(ctx: Any, student: Tensor, teacher: Tensor, rows: Tensor, beta: float, chunk_rows: int) -> Tensor:
+        out = torch.zeros(student.shape[0], dtype=torch.float32, device=student.device)
+        for start in range(0, rows.numel(), chunk_rows):
+            index = rows[start : start + chunk_rows]
+            s = torch.log_softmax(student.index_select(0, index).float(), dim=-1)  # [n_c, V]
+            t = torch.log_softmax(teacher.index_select(0, index).float(), dim=-1)
+            out[index] = _jsd_rows(s, t, beta)
+        ctx.save_for_backward(student, teacher, rows)
+        ctx.beta, ctx.chunk_rows = beta, chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        student, teacher, rows = ctx.saved_tensors
+        grad = torch.zeros_like(student)  # [N, V]: rows not selected get no gradient
+        for start in range(0, rows.numel(), ctx.chunk_rows):
+            index = rows[start : start + ctx.chunk_rows]
+            s = torch.log_softmax(student.index_select(0, index).float(), dim=-1)
+            t = torch.log_softmax(teacher.index_select(0, index).float(), dim=-1)
+            g = _jsd_grad_rows(s, t, ctx.beta) * grad_out[index, None].float()
+            grad.index_copy_(0, index, g.to(student.dtype))
+        return grad, None, None, None, None
+
+
+def generalized_jsd(
+    student_logits: Tensor, teacher_logits: Tensor, beta: float, mask: Tensor | None = None,
+    chunk_rows: int = JSD_CHUNK_ROWS,
+) -> Tensor:
+    """GKD's generalized JSD between ``softmax(student_logits)`` and ``softmax(teacher_logits)`` per
+    position: logits [..., V] -> [...] float32, differentiable in the student's logits only.
+
+    ``JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M)``, ``M = beta T + (1 - beta) S``; ``beta = 0``
+    is the forward KL(T || S) and ``beta = 1`` the reverse KL(S || T) (the plain formula would give 0
+    at both ends). ``mask`` [...]: only positions where it is nonzero are computed (0 elsewhere).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ: the models' vocabularies differ")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    lead = student_logits.shape[:-1]
+    flat_student = student_logits.reshape(-1, student_logits.shape[-1])  # a view for contiguous logits
+    flat_teacher = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
+    selected = torch.ones(flat_student.shape[0], dtype=torch.bool, device=flat_student.device) if mask is None \
+        else mask.reshape(-1).to(flat_student.device).bool()
+    rows = selected.nonzero().squeeze(-1)
+    out = _ChunkedGeneralizedJSD.apply(flat_student, flat_teacher, rows, float(beta), int(chunk_rows))
+    return out.reshape(lead)
+
+
+def token_generalized_jsd(model: Any, teacher: Any, part: Batch, beta: float, chunk_rows: int = JSD_CHUNK_ROWS) -> Tensor:
+    """Per-token JSD of one micro-batch, [b, T] target-aligned like ``Batch.loss_mask``: column ``t``
+    compares the two next-token distributions at position ``t`` (where token ``t + 1`` was sampled);
+    computed on loss-mask columns only, 0 elsewhere. Gradient flows into ``model`` only."""
+    first = part.first_loss_column
+    student_logits = _forward_logits(model, part.input_ids, part.attention_mask, first)  # [b, L - first, V]
+    with torch.no_grad():
+        teacher_logits = _forward_logits(teacher, part.input_ids, part.attention_mask, first)
+    # the logits' last position predicts nothing (no target): a zero mask column stands for it
+    mask = torch.cat([part.loss_mask[:, first:], part.loss_mask.new_zeros(part.size, 1)], dim=1)  # [b, L - first]
+    jsd = generalized_jsd(student_logits, teacher_logits, beta, mask=mask, chunk_rows=chunk_rows)
+    return _pad_front(jsd[:, :-1], first)  # [b, T]
+
+
+def jsd_update(
+    model: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, beta: float, optimizer: torch.optim.Optimizer,
+    scheduler: Any, *, micro_batch_size: int, max_grad_norm: float | None, train_mode: bool = False,
+) -> dict[str, float]:
+    """One optimizer step on the token-mean generalized JSD of ``batch`` (full-batch normalizers in
+    every micro-batch, so accumulation equals one big batch); ``train/`` metrics like ``policy_update``."""
+    device = next(model.parameters()).device
+    parts: list[dict[str, float]] = []
+    model.train(train_mode)
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        for part in split_microbatches(batch, micro_batch_size):
+            part = part.to(device)
+            jsd = token_generalized_jsd(model, teacher, part, beta)  # [b, T]
+            loss = aggregate(jsd, part.loss_mask, "token_mean", normalizers=part.normalizers)
+            loss.backward()
+            parts.append({"loss": float(loss.detach()), "jsd": float(masked_mean(jsd.detach(), part.loss_mask)),
+                          "num_tokens": float(part.loss_mask.sum())})
+        grad_norm = clip_gradients(model.parameters(), max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+    finally:
+        model.eval()
+    out = {f"train/{key}": value for key, value in reduce_part_metrics(parts).items()}
+    out.update({"train/grad_norm": grad_norm, "lr": lr})
+    return out
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
+def policy_loss_config(cfg: DistillConfig) -> PolicyLossConfig:
+    """The policy loss of ``cfg.loss`` with ``cfg.tis_cap`` (no KL term: the teacher is the target);
+    for ``jsd`` the defaults (only ``load_policy`` reads it then, for its ``kl_coef`` of 0)."""
+    if cfg.loss == "jsd":
+        return PolicyLossConfig()
+    return PolicyLossConfig(loss=cfg.loss, tis_cap=cfg.tis_cap)
+
+
+def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | None = None) -> DistillResult:
+    """Run on-policy distillation as ``cfg`` says; ``resume`` continues from the latest intact
+    checkpoint in ``cfg.output_dir``. ``stop_at_step`` returns right after that step without saving,
+    as if the process had been killed there (tests check that resume then equals a straight run)."""
+    from tracegym.envs import make
+
+    run_dir = Path(cfg.output_dir)
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    loss_cfg = policy_loss_config(cfg)
+    probe = make(cfg.env.name, **cfg.env.options)  # a bad env name/option fails before any model loads
+    train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
+    test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
+    probe.close()
+    dump_config(cfg, run_dir)
+    seed_everything(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, _ = load_policy(cfg, loss_cfg, device)  # type: ignore[arg-type]  (same section names)
+    teacher, teacher_tokenizer = load_teacher(cfg.teacher, cfg.model.dtype, device)
+    check_same_tokenizer(tokenizer, teacher_tokenizer, cfg.teacher.model)
+    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    sampler = make_sampler(cfg, model, tokenizer, renderer)  # type: ignore[arg-type]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    temperature = cfg.rollout.temperature  # > 0 (validated): the trainer scores what the engine sampled from
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+
+    step = 0
+    restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
+    if restored is not None:
+        saved = restored.state.get("tasks", {})
+        if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
+            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
+        step = restored.step
+        sampler.update_weights(model)
+    trainable, total = count_parameters(model)
+    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
+    history: list[dict[str, Any]] = []
+    eval_seed = cfg.seed + 1_000_003
+    if step == 0:
+        row: dict[str, Any] = {"params/trainable": trainable, "params/total": total}
+        if test_tasks and cfg.eval.at_start:
+            row.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))  # type: ignore[arg-type]
+        history.append(logger.log(0, row))
+    progress = ProgressBar(cfg.steps, "distill", enabled=cfg.logging.progress, completed=step)
+    final_dir = None
+    try:
+        while step < cfg.steps:
+            t_start = time.perf_counter()
+            # 1. the student's own episodes (the hf engine records each sampled token's log-prob)
+            tasks = tasks_at(train_tasks, cfg.seed, step * cfg.tasks_per_step, cfg.tasks_per_step)
+            groups, result = collect_groups(sampler, cfg, tasks, renderer, seed=cfg.seed * 1_000_003 + step)  # type: ignore[arg-type]
+            metrics: dict[str, Any] = rollout_metrics(groups, [result])
+            metrics["time/rollout_s"] = time.perf_counter() - t_start
+
+            # 2. token-exact examples (loss mask 1 on sampled tokens), advantages filled in below
+            data = examples_from_groups(groups, renderer, max_length=cfg.max_length)
+            metrics.update({"examples/count": float(len(data.examples)), "examples/dropped_too_long": float(data.dropped_too_long)})
+
+            # 3. the teacher grades every sampled token, 4. one update, then weight sync
+            t_train = time.perf_counter()
+            if data.examples:
+                batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
+                batch, distill_metrics = score_with_teacher(
+                    model, teacher, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size, temperature=temperature,
+                    student_logprobs=cfg.student_logprobs, advantage_clip=cfg.advantage_clip, top_p=cfg.rollout.top_p)
+                metrics.update(distill_metrics)
+                if cfg.loss == "jsd":  # the sampled-token scoring above then only feeds the distill/ metrics
+                    metrics.update(jsd_update(model, teacher, batch, cfg.jsd_beta, optimizer, scheduler,
+                                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
+                                              train_mode=cfg.model.gradient_checkpointing))
+                else:
+                    metrics.update(policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1,
+                                                 micro_batch_size=cfg.micro_batch_size, temperature=temperature,
+                                                 max_grad_norm=cfg.optim.max_grad_norm,
+                                                 train_mode=cfg.model.gradient_checkpointing))
+                sampler.update_weights(model)
+            step += 1
+            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
+                            "rss_mb": process_rss_mb()})
+
+            # 5. evaluate, log, checkpoint
+            if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
+                metrics.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))  # type: ignore[arg-type]
+            if step % cfg.logging.log_every == 0 or step == cfg.steps:
+                history.append(logger.log(step, metrics))
+            kl_text = f" reverse_kl {metrics['distill/reverse_kl']:.4f}" if "distill/reverse_kl" in metrics else ""
+            progress.update(1, info=f"reward {metrics['reward/mean']:.3f}{kl_text}",
+                            tokens=int(sum(t.num_generated_tokens for g in groups for t in g.trajectories)))
+            if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
+                return DistillResult(run_dir, None, step, history)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": step * cfg.tasks_per_step}
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
+        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
+                                                             "renderer": cfg.model.renderer or cfg.model.name,
+                                                             "recipe": "distill", "env": cfg.env.name,
+                                                             "teacher": cfg.teacher.model})
+    finally:
+        progress.close()
+        logger.close()
+    return DistillResult(run_dir, final_dir, step, history)
+
+
+__all__ = [
+    "DistillResult", "check_same_tokenizer", "distill_advantages", "generalized_jsd", "jsd_update", "load_teacher",
+    "policy_loss_config", "score_with_teacher", "token_generalized_jsd", "tokenizer_mismatch", "train_distill",
+]
