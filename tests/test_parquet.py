@@ -189,17 +189,19 @@ def test_pyarrow_dataset_reads_two_envs_files_at_once(tmp_path, by_env):
     assert table_to_trajectories(table) == by_env["calculator"] + by_env["frozenlake"]
 
 
-def test_datasets_load_dataset_reads_two_envs_files_in_one_call(tmp_path, by_env):
+def test_datasets_load_dataset_reads_all_five_envs_files_in_one_call(tmp_path, by_env):
     import datasets
 
-    a, b = tmp_path / "calculator.parquet", tmp_path / "frozenlake.parquet"
-    write_trajectories_parquet(by_env["calculator"], a)
-    write_trajectories_parquet(by_env["frozenlake"], b)
-    loaded = datasets.load_dataset("parquet", data_files=[str(a), str(b)], split="train", cache_dir=str(tmp_path / "hf"))
-    assert len(loaded) == len(by_env["calculator"]) + len(by_env["frozenlake"])
-    assert trajectory_from_row(loaded[0]) == by_env["calculator"][0]
-    assert trajectory_from_row(loaded[len(loaded) - 1]) == by_env["frozenlake"][-1]
-    assert sorted(set(loaded["env"])) == ["calculator", "frozenlake"]
+    files = []
+    for env in BUILTIN_ENVS:  # one file per built-in env, each with its own tools, info and metrics
+        files.append(tmp_path / f"{env}.parquet")
+        write_trajectories_parquet(by_env[env], files[-1])
+    loaded = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train",
+                                   cache_dir=str(tmp_path / "hf"))
+    everything = [t for env in BUILTIN_ENVS for t in by_env[env]]
+    assert len(loaded) == len(everything)
+    assert [trajectory_from_row(row) for row in loaded] == everything  # every row back, equal
+    assert sorted(set(loaded["env"])) == sorted(BUILTIN_ENVS)
 
 
 # --- files written by tracegym before, and by others ---------------------------------------

@@ -425,6 +425,12 @@ async def _batching(runner: _Runner, policy: Any, config: RolloutConfig) -> Asyn
         yield
         return
     runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
+    # An engine's store of earlier turns' keys/values (the hf engine's turn store) lives for one run:
+    # the same run twice computes the same things (bit-identical log-probs), and a run never reuses
+    # keys from before it (another run's episodes, or weights since changed in place).
+    clear = getattr(policy, "clear_cache", None)
+    if callable(clear):
+        clear()
     task = asyncio.create_task(runner.batcher.run())
     try:
         yield
@@ -434,6 +440,8 @@ async def _batching(runner: _Runner, policy: Any, config: RolloutConfig) -> Asyn
             await task
         except asyncio.CancelledError:
             pass
+        if callable(clear):
+            clear()  # free the memory as the run ends
 
 
 async def run_rollouts(

@@ -35,7 +35,8 @@ whole previous turn. Three exact savings:
    s_i]`` with the mask ``[0]*(C-c_i) + [1]*c_i + [0]*(S-s_i) + [1]*s_i`` and positions continuing
    from ``c_i``. The store is an LRU bounded by ``turn_cache_mb``; an entry extended whole leaves it
    (the new turn's row replaces it), and ``update_weights`` / ``clear_cache`` drop it all: keys
-   computed with older weights are never reused.
+   computed with older weights are never reused. The rollout runner clears it at the start and the
+   end of every run, so a run's results never depend on what ran before it.
 
 All three change only float rounding (the same tokens are computed in other batch shapes): in fp32
 the log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst case measured on
@@ -100,6 +101,9 @@ def validate_params(params: SamplingParams) -> None:
         raise ValueError(f"max_tokens must be >= 0, got {params.max_tokens}")
     if params.n < 1:
         raise ValueError(f"n must be >= 1, got {params.n}")
+
+
+_RELEASED = torch.empty(0)  # stands in for a layer's keys/values once copied out of a taken entry
 
 
 @dataclass
@@ -422,6 +426,12 @@ class HFEngine(Engine):
                 if hit is not None:
                     keys[row, :, width - cached[row]:] = hit.keys[layer_index]
                     values[row, :, width - cached[row]:] = hit.values[layer_index]
+            # drop this layer's references once every row has it (two rows may share an entry): a
+            # whole entry, already out of the store, is freed layer by layer, so the store and the
+            # batch cache never both hold all of it (a part's tensors stay alive in the store)
+            for hit in hits:
+                if hit is not None:
+                    hit.keys[layer_index] = hit.values[layer_index] = _RELEASED
             cache.update(keys.to(device), values.to(device), layer_index)
         suffixes = [p[c:] for p, c in zip(prompts, cached)]
         max_len = max(len(s) for s in suffixes)
