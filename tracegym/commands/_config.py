@@ -147,3 +147,12 @@ def train_from_config(cls: type, args: argparse.Namespace, recipe: str, check: C
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def print_done(recipe: str, result: Any, keys: tuple[str, ...], digits: int = 3) -> int:
+    """The one closing line of a training command: steps, the last logged ``keys``, where things are."""
+    last = result.history[-1] if result.history else {}
+    shown = ", ".join(f"{k} {last[k]:.{digits}f}" for k in keys if k in last)
+    print(f"{recipe} done: {result.step} steps{', ' + shown if shown else ''}; model in {result.final_dir}; "
+          f"metrics in {result.run_dir / 'metrics.jsonl'}")
+    return 0

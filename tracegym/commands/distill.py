@@ -36,14 +36,10 @@ def check_config(cfg: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracegym.commands._config import train_from_config
+    from tracegym.commands._config import print_done, train_from_config
     from tracegym.config import DistillConfig
 
     result = train_from_config(DistillConfig, args, "tracegym.recipes.distill:train_distill", check=check_config)
     if isinstance(result, int):
         return result
-    last = result.history[-1] if result.history else {}
-    shown = ", ".join(f"{k} {last[k]:.4f}" for k in ("distill/reverse_kl", "eval/pass@1") if k in last)
-    print(f"distill done: {result.step} steps{', ' + shown if shown else ''}; model in {result.final_dir}; "
-          f"metrics in {result.run_dir / 'metrics.jsonl'}")
-    return 0
+    return print_done("distill", result, ("distill/reverse_kl", "eval/pass@1"), digits=4)

@@ -38,14 +38,10 @@ def check_config(cfg: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracegym.commands._config import train_from_config
+    from tracegym.commands._config import print_done, train_from_config
     from tracegym.config import DPOConfig
 
     result = train_from_config(DPOConfig, args, "tracegym.recipes.dpo:train_dpo", check=check_config)
     if isinstance(result, int):
         return result
-    last = result.history[-1] if result.history else {}
-    shown = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "accuracy", "reward_margin") if k in last)
-    print(f"dpo done: {result.step} steps{', ' + shown if shown else ''}; model in {result.final_dir}; "
-          f"metrics in {result.run_dir / 'metrics.jsonl'}")
-    return 0
+    return print_done("dpo", result, ("loss", "accuracy", "reward_margin"), digits=4)

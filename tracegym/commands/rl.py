@@ -54,15 +54,11 @@ def check_config(cfg: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracegym.commands._config import train_from_config
+    from tracegym.commands._config import print_done, train_from_config
     from tracegym.config import RLConfig
 
     # a bad policy_loss option, env name or env option fails here, before any model loads
     result = train_from_config(RLConfig, args, "tracegym.recipes.rl:train_rl", check=check_config)
     if isinstance(result, int):
         return result
-    last = result.history[-1] if result.history else {}
-    shown = ", ".join(f"{k} {last[k]:.3f}" for k in ("reward/mean", "eval/pass@1") if k in last)
-    print(f"rl done: {result.step} steps{', ' + shown if shown else ''}; model in {result.final_dir}; "
-          f"metrics in {result.run_dir / 'metrics.jsonl'}")
-    return 0
+    return print_done("rl", result, ("reward/mean", "eval/pass@1"))
