@@ -348,7 +348,8 @@ class RLRolloutConfig(_Section, RolloutSettings):
     """Inference engine for sampling: hf (CPU, in-process), vllm (GPU), openai (HTTP server)."""
 
     engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword options for the engine (base_url, gpu_memory_utilization, ...)."""
+    """Keyword options for the engine (base_url, gpu_memory_utilization, ...; hf: ``turn_cache_mb``,
+    the memory kept for episodes' previous turns, default 1024, 0 to trade speed for memory)."""
 
     strategy: Literal["chains", "tree"] = "chains"
     """``chains``: ``group_size`` independent episodes per task. ``tree``: tree-search rollouts
