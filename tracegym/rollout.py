@@ -76,6 +76,8 @@ __all__ = [
     "run_rollouts",
     "run_rollouts_sync",
     "logprob_gap",
+    "env_factory",
+    "cut_generation",
 ]
 
 
@@ -225,12 +227,25 @@ class _Batcher:
                 continue
             for r, gens in zip(batch, outs):
                 if not r.future.done():
-                    r.future.set_result(_cut(gens[0], r.max_tokens))
+                    r.future.set_result(cut_generation(gens[0], r.max_tokens))
             if self.queue:
                 self.wake.set()
 
 
-def _cut(gen: Generation, max_tokens: int) -> Generation:
+def env_factory(env: "str | Callable[[], Env] | None", env_options: dict[str, Any] | None = None
+                ) -> "tuple[Callable[[], Env] | None, str | None]":
+    """``(factory, name)`` for an env given by registered name (made with ``env_options``) or as a
+    zero-argument factory (name None); ``None`` stays ``None``."""
+    if not isinstance(env, str):
+        return env, None
+    from tracegym.envs import make
+
+    name, options = env, dict(env_options or {})
+    return (lambda: make(name, **options)), name
+
+
+def cut_generation(gen: Generation, max_tokens: int) -> Generation:
+    """``gen`` cut to ``max_tokens`` tokens (finish reason ``length``), or unchanged when it fits."""
     if len(gen.token_ids) <= max_tokens:
         return gen
     logprobs = gen.logprobs[:max_tokens] if gen.logprobs is not None else None
@@ -472,14 +487,7 @@ async def run_rollouts(
         gap_model: model for ``measure_logprob_gap`` (default: the engine's ``model`` attribute).
     """
     config = config or RolloutConfig()
-    if isinstance(env, str):
-        from tracegym.envs import make
-
-        name, options = env, dict(env_options or {})
-        factory: Callable[[], Env] = lambda: make(name, **options)  # noqa: E731
-        env_name: str | None = name
-    else:
-        factory, env_name = env, None
+    factory, env_name = env_factory(env, env_options)
     if policy_name is None:
         policy_name = policy if isinstance(policy, str) else str(getattr(policy, "model_name", None) or policy.name)
     runner = _Runner(factory, env_name, policy, renderer, config, policy_name)
@@ -583,14 +591,7 @@ async def run_prefixed_episodes(
     ``failed`` repeats the failed ones. Stats: episodes, failed, end reasons, sampled tokens (the
     prefixes' not counted), generate calls, batch size and wall time."""
     config = config or RolloutConfig()
-    if isinstance(env, str):
-        from tracegym.envs import make
-
-        name, options = env, dict(env_options or {})
-        factory: Callable[[], Env] | None = lambda: make(name, **options)  # noqa: E731
-        env_name: str | None = name
-    else:
-        factory, env_name = env, None
+    factory, env_name = env_factory(env, env_options)
     if factory is None and any(e.make_env is None for e in episodes):
         raise ValueError("run_prefixed_episodes: an episode without make_env needs env")
     runner = _Runner(factory, env_name, policy, renderer, config, policy_name)  # type: ignore[arg-type]

@@ -54,8 +54,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from tracegym.envs.base import Env, EnvSnapshot, Task
 from tracegym.envs.episode import FAILED_END_REASONS, Action, TokenData
-from tracegym.rollout import PrefixedEpisode, RolloutConfig, run_prefixed_episodes
-from tracegym.types import Generation, Message, SamplingParams, StepResult, Trajectory, TrajectoryGroup, Turn
+from tracegym.rollout import PrefixedEpisode, RolloutConfig, cut_generation, env_factory, run_prefixed_episodes
+from tracegym.types import Message, SamplingParams, StepResult, Trajectory, TrajectoryGroup, Turn
 
 log = logging.getLogger(__name__)
 
@@ -287,13 +287,6 @@ def _turn_budget(trajectory: Trajectory, t: int, config: RolloutConfig) -> int:
     return budget
 
 
-def _cut(gen: Generation, max_tokens: int) -> Generation:
-    if len(gen.token_ids) <= max_tokens:
-        return gen
-    logprobs = gen.logprobs[:max_tokens] if gen.logprobs is not None else None
-    return Generation(token_ids=gen.token_ids[:max_tokens], logprobs=logprobs, finish_reason="length")
-
-
 async def _sample_alternatives(points: list[_Point], k: int, sampler: Any, renderer: Any, config: RolloutConfig,
                                seed: int | None, stats: MCStats) -> None:
     """Append K-1 sampled actions to every point: prompt = turn t's ``prompt_ids``, in batched
@@ -314,7 +307,7 @@ async def _sample_alternatives(points: list[_Point], k: int, sampler: Any, rende
             raise RuntimeError(f"engine returned {len(outs)} results for {len(chunk)} prompts")
         stats.generate_calls += 1
         for (p, budget), gens in zip(chunk, outs):
-            gen = _cut(gens[0], budget)
+            gen = cut_generation(gens[0], budget)
             parsed = renderer.parse_completion(gen.token_ids)
             tokens = TokenData(tuple(p.trajectory.turns[p.t].prompt_ids), tuple(gen.token_ids), gen.logprobs,
                                gen.finish_reason)
@@ -362,13 +355,7 @@ async def score_mc_continuation_async(
     if max_turns is not None:
         update["max_turns"] = max_turns
     config = config.model_copy(update=update)
-    if isinstance(env, str):
-        from tracegym.envs import make
-
-        name, options = env, dict(env_options or {})
-        make_env: Callable[[], Env] = lambda: make(name, **options)  # noqa: E731
-    else:
-        make_env = env
+    make_env, _ = env_factory(env, env_options)
     stats = MCStats()
     t0 = time.perf_counter()
     probe = make_env()

@@ -51,7 +51,8 @@ from tracegym.algos.tree import TREE_KEY, leaf_nodes
 from tracegym.config import TreeConfig
 from tracegym.envs.base import Env, EnvSnapshot, Task
 from tracegym.envs.episode import FAILED_END_REASONS
-from tracegym.rollout import PrefixedEpisode, RolloutConfig, RolloutResult, RolloutStats, run_prefixed_episodes, run_rollouts
+from tracegym.rollout import (PrefixedEpisode, RolloutConfig, RolloutResult, RolloutStats, env_factory, run_prefixed_episodes,
+                              run_rollouts)
 from tracegym.rollout_branches import BranchEnv, ReplayMismatch, branch_mode, recorded_action, snapshots_before
 from tracegym.types import Trajectory
 
@@ -155,13 +156,7 @@ async def run_tree_rollouts(
     init_chains = tree.init_chains if tree.init_chains is not None else math.ceil(leaves / 2)
     if init_chains > leaves:
         raise ValueError(f"rollout.tree.init_chains ({init_chains}) is more than the leaves per tree (group_size {leaves})")
-    if isinstance(env, str):
-        from tracegym.envs import make
-
-        name, options = env, dict(env_options or {})
-        make_env: Callable[[], Env] = lambda: make(name, **options)  # noqa: E731
-    else:
-        make_env = env
+    make_env, _ = env_factory(env, env_options)
     probe = make_env()
     try:
         mode = branch_mode(probe, tree.reach, who="tree rollouts") if init_chains < leaves else "snapshot"
@@ -186,55 +181,16 @@ async def run_tree_rollouts(
         trees[n].tokens += trajectory.num_generated_tokens
     stats.generated_tokens = first.stats.generated_tokens
 
-    # forking rounds
+    # forking rounds: plan where to fork, reach those points, play the branches, add them as leaves
     for round_index in range(tree.rounds):
-        remaining_rounds = tree.rounds - round_index
-        episodes: list[PrefixedEpisode] = []
-        origin: list[tuple[int, int | None, int]] = []  # (tree, parent leaf, fork turn) per episode
-        mismatches: list[ReplayMismatch] = []
-        planned: list[tuple[int, int | None, int, int]] = []  # (tree, parent leaf, fork turn, copies)
-        for n, tr in enumerate(trees):
-            missing = leaves - len(tr.leaves)
-            if missing <= 0 or (tree.max_tokens_per_tree is not None and tr.tokens >= tree.max_tokens_per_tree):
-                continue
-            add = math.ceil(missing / remaining_rounds)
-            forks = math.ceil(add / tree.branches)
-            points = fork_points(tr.leaves, tree.entropy_tokens)
-            chosen: list[tuple[int | None, int]] = list(_choose(points, forks, tree.branch, rng)) if points else [(None, 0)] * forks
-            for j, (parent, t) in enumerate(chosen):
-                copies = min(tree.branches, add - j * tree.branches)
-                planned.append((n, parent, t, copies))
-                stats.forks += 1
-                stats.root_forks += int(parent is None)
+        planned = _plan_round(trees, tree, leaves, tree.rounds - round_index, rng)
         if not planned:
             break
         stats.rounds += 1
-        wanted: dict[tuple[int, int], set[int]] = {}
-        for n, parent, t, _ in planned:
-            if parent is not None and mode == "snapshot":
-                wanted.setdefault((n, parent), set()).add(t)
-        snapshot_jobs = [(n, leaf, sorted(ts)) for (n, leaf), ts in wanted.items()]
-        taken = await asyncio.gather(*(
-            snapshots_before(make_env, trees[n].task, trees[n].leaves[leaf], turns) for n, leaf, turns in snapshot_jobs
-        ))
-        snapshots: dict[tuple[int, int, int], EnvSnapshot] = {
-            (n, leaf, t): snap for (n, leaf, _), got in zip(snapshot_jobs, taken) for t, snap in got.items()
-        }
-        next_index = [len(tr.leaves) for tr in trees]
-        for n, parent, t, copies in planned:
-            tr = trees[n]
-            if parent is None:
-                prefix: tuple = ()
-                factory = None
-            else:
-                source = tr.leaves[parent]
-                prefix = tuple(recorded_action(turn) for turn in source.turns[:t])
-                snap = snapshots.get((n, parent, t))
-                factory = (lambda source=source, t=t, snap=snap: BranchEnv(make_env, source, t, snap, mismatches))
-            for _ in range(copies):
-                episodes.append(PrefixedEpisode(tr.task, prefix, factory or make_env, sample_index=next_index[n]))
-                origin.append((n, parent, t))
-                next_index[n] += 1
+        stats.forks += len(planned)
+        stats.root_forks += sum(parent is None for _, parent, _, _ in planned)
+        mismatches: list[ReplayMismatch] = []
+        episodes, origin = await _fork_episodes(trees, planned, make_env, mode, mismatches)
         round_config = config.model_copy(update={"seed": None if config.seed is None else config.seed + 7919 * (round_index + 1)})
         result = await run_prefixed_episodes(None, episodes, policy, renderer, round_config, policy_name=policy_name)
         if mismatches:
@@ -242,14 +198,89 @@ async def run_tree_rollouts(
         calls += result.stats.generate_calls
         rows += round(result.stats.mean_batch_size * result.stats.generate_calls)
         stats.generated_tokens += result.stats.generated_tokens
-        for (n, parent, t), episode, trajectory in zip(origin, episodes, result.trajectories):
-            tr = trees[n]
-            leaf = episode.sample_index
-            own = [f"{leaf}:{k}" for k in range(len(trajectory.turns))]
-            nodes = own if parent is None else leaf_nodes(tr.leaves[parent], parent)[:t] + own[t:]
-            tr.leaves.append(_with_tree_info(trajectory, leaf, nodes, parent, t))
-            tr.tokens += sum(len(turn.completion_ids) for turn in trajectory.turns[len(episode.prefix):])
+        _add_leaves(trees, origin, episodes, result.trajectories)
 
+    stats.prefill_tokens = getattr(policy, "prefill_tokens", 0) - engine_before[0]
+    stats.prefix_tokens_reused = getattr(policy, "prefix_tokens_reused", 0) - engine_before[1]
+    stats.wall_time_s = time.perf_counter() - t0
+    result = _tree_result(trees, config, stats, calls, rows)
+    if writer is not None:
+        for trajectory in result.trajectories:
+            writer.write(trajectory)
+    return result, stats
+
+
+Plan = list[tuple[int, int | None, int, int]]
+"""A round's forks: (tree, parent leaf or None for the root, fork turn, branches to play)."""
+
+
+def _plan_round(trees: list[_Tree], tree: TreeConfig, leaves: int, remaining_rounds: int, rng: random.Random) -> Plan:
+    """The forks of one round: each tree short of ``leaves`` (and within its token budget) gets an even
+    share of its missing leaves, ``tree.branches`` per fork point chosen by ``tree.branch``."""
+    planned: Plan = []
+    for n, tr in enumerate(trees):
+        missing = leaves - len(tr.leaves)
+        if missing <= 0 or (tree.max_tokens_per_tree is not None and tr.tokens >= tree.max_tokens_per_tree):
+            continue
+        add = math.ceil(missing / remaining_rounds)
+        forks = math.ceil(add / tree.branches)
+        points = fork_points(tr.leaves, tree.entropy_tokens)
+        chosen: list[tuple[int | None, int]] = list(_choose(points, forks, tree.branch, rng)) if points else [(None, 0)] * forks
+        for j, (parent, t) in enumerate(chosen):
+            planned.append((n, parent, t, min(tree.branches, add - j * tree.branches)))
+    return planned
+
+
+async def _fork_episodes(
+    trees: list[_Tree], planned: Plan, make_env: Callable[[], Env], mode: str, mismatches: list[ReplayMismatch]
+) -> tuple[list[PrefixedEpisode], list[tuple[int, int | None, int]]]:
+    """The episodes of a plan, each repeating its parent's first ``t`` turns; with snapshots, one
+    checked replay per parent leaf takes the snapshot before every turn forked there. Returns the
+    episodes and, per episode, (tree, parent leaf, fork turn)."""
+    wanted: dict[tuple[int, int], set[int]] = {}
+    for n, parent, t, _ in planned:
+        if parent is not None and mode == "snapshot":
+            wanted.setdefault((n, parent), set()).add(t)
+    jobs = [(n, leaf, sorted(ts)) for (n, leaf), ts in wanted.items()]
+    taken = await asyncio.gather(*(snapshots_before(make_env, trees[n].task, trees[n].leaves[leaf], turns)
+                                   for n, leaf, turns in jobs))
+    snapshots: dict[tuple[int, int, int], EnvSnapshot] = {
+        (n, leaf, t): snap for (n, leaf, _), got in zip(jobs, taken) for t, snap in got.items()
+    }
+    episodes: list[PrefixedEpisode] = []
+    origin: list[tuple[int, int | None, int]] = []
+    next_index = [len(tr.leaves) for tr in trees]
+    for n, parent, t, copies in planned:
+        tr = trees[n]
+        prefix: tuple = ()
+        factory: Callable[[], Env] = make_env
+        if parent is not None:
+            source = tr.leaves[parent]
+            prefix = tuple(recorded_action(turn) for turn in source.turns[:t])
+            snap = snapshots.get((n, parent, t))
+            factory = (lambda source=source, t=t, snap=snap: BranchEnv(make_env, source, t, snap, mismatches))
+        for _ in range(copies):
+            episodes.append(PrefixedEpisode(tr.task, prefix, factory, sample_index=next_index[n]))
+            origin.append((n, parent, t))
+            next_index[n] += 1
+    return episodes, origin
+
+
+def _add_leaves(trees: list[_Tree], origin: list[tuple[int, int | None, int]], episodes: list[PrefixedEpisode],
+                trajectories: list[Trajectory]) -> None:
+    """Append the played branches as leaves: turns before the fork keep their parent's nodes."""
+    for (n, parent, t), episode, trajectory in zip(origin, episodes, trajectories):
+        tr = trees[n]
+        leaf = episode.sample_index
+        own = [f"{leaf}:{k}" for k in range(len(trajectory.turns))]
+        nodes = own if parent is None else leaf_nodes(tr.leaves[parent], parent)[:t] + own[t:]
+        tr.leaves.append(_with_tree_info(trajectory, leaf, nodes, parent, t))
+        tr.tokens += sum(len(turn.completion_ids) for turn in trajectory.turns[len(episode.prefix):])
+
+
+def _tree_result(trees: list[_Tree], config: RolloutConfig, stats: TreeStats, calls: int, rows: int) -> RolloutResult:
+    """Every tree's leaves as one rollout result (failed leaves excluded or zero-rewarded, as the
+    rollout config says); fills the leaf counts of ``stats``."""
     kept: list[Trajectory] = []
     failed: list[Trajectory] = []
     depths: list[int] = []
@@ -261,19 +292,13 @@ async def run_tree_rollouts(
             (failed if is_failed and config.on_env_error == "exclude" else kept).append(trajectory)
             stats.failed += int(is_failed)
             depths.append(int(trajectory.info[TREE_KEY]["fork_turn"]))
-    if writer is not None:
-        for trajectory in kept:
-            writer.write(trajectory)
     stats.leaves = len(kept)
     stats.chain_tokens = sum(t.num_generated_tokens for t in kept)
     stats.mean_depth = sum(depths) / len(depths) if depths else 0.0
-    stats.prefill_tokens = getattr(policy, "prefill_tokens", 0) - engine_before[0]
-    stats.prefix_tokens_reused = getattr(policy, "prefix_tokens_reused", 0) - engine_before[1]
-    wall = time.perf_counter() - t0
-    stats.wall_time_s = wall
+    wall = stats.wall_time_s
     everything = kept + failed
     rollout_stats = RolloutStats(
-        episodes=sum(len(tr.leaves) for tr in trees), kept=len(kept), failed=stats.failed,
+        episodes=len(everything), kept=len(kept), failed=stats.failed,
         end_reasons=dict(Counter(t.end_reason for tr in trees for t in tr.leaves)),
         errors=[f"{t.task_id}/{t.sample_index}: {t.end_reason}: {t.error}" for t in everything if t.error][:20],
         success_rate=sum(t.success for t in kept) / len(kept) if kept else 0.0,
@@ -283,7 +308,7 @@ async def run_tree_rollouts(
         episodes_per_s=len(everything) / wall if wall > 0 else 0.0,
         tokens_per_s=stats.generated_tokens / wall if wall > 0 else 0.0,
     )
-    return RolloutResult(trajectories=kept, stats=rollout_stats, failed=failed), stats
+    return RolloutResult(trajectories=kept, stats=rollout_stats, failed=failed)
 
 
 def run_tree_rollouts_sync(*args: Any, **kwargs: Any) -> tuple[RolloutResult, TreeStats]:

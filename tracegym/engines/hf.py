@@ -433,30 +433,14 @@ class HFEngine(Engine):
                 if hit is not None:
                     hit.keys[layer_index] = hit.values[layer_index] = _RELEASED
             cache.update(keys.to(device), values.to(device), layer_index)
-        suffixes = [p[c:] for p, c in zip(prompts, cached)]
-        max_len = max(len(s) for s in suffixes)
-        input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
-        suffix_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
-        cached_mask = torch.zeros((n_rows, width), dtype=torch.long)
-        for i, (s, c) in enumerate(zip(suffixes, cached)):
-            input_ids[i, max_len - len(s):] = torch.tensor(s, dtype=torch.long)
-            suffix_mask[i, max_len - len(s):] = 1
+        cached_mask = torch.zeros((n_rows, width), dtype=torch.long)  # [pad | cached c_i] per row
+        for i, c in enumerate(cached):
             cached_mask[i, width - c:] = 1
-        input_ids, suffix_mask, cached_mask = input_ids.to(device), suffix_mask.to(device), cached_mask.to(device)
-        start = torch.tensor(cached, dtype=torch.long, device=device)[:, None]  # [B, 1]
-        position_ids = start + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
-        attention_mask = torch.cat([cached_mask, suffix_mask], dim=-1)  # [B, C + S]
-        logits = self._forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
-        return logits, attention_mask, position_ids[:, -1:] + 1
+        return self._prefill_suffixes([p[c:] for p, c in zip(prompts, cached)], cached_mask.to(device), cached, cache)
 
     def _shared_prefix_len(self, prompts: list[list[int]], cache: Any) -> int:
         """Tokens of the common prefix worth computing once (0 when not worth it or not safe)."""
-        from transformers.cache_utils import DynamicLayer
-
-        if len(prompts) < 2:
-            return 0
-        # the hole between prefix and suffix is only exact for plain full-attention layers
-        if not all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ())):
+        if len(prompts) < 2 or not self._plain_layers(cache):
             return 0
         first, shortest = prompts[0], min(len(p) for p in prompts)
         common = 0
@@ -480,7 +464,21 @@ class HFEngine(Engine):
                 cache=cache,
             )  # the logits are not needed: every row has a suffix token after the prefix
             cache.batch_repeat_interleave(n_rows)  # [1, H, P, D] -> [B, H, P, D] per layer
-        suffixes = [p[prefix_len:] for p in prompts]
+        # the cache holds the shared prefix for every row: [1]*P
+        cached_mask = torch.ones((n_rows, prefix_len), dtype=torch.long, device=device)
+        return self._prefill_suffixes([p[prefix_len:] for p in prompts], cached_mask, [prefix_len] * n_rows, cache)
+
+    def _prefill_suffixes(
+        self, suffixes: list[list[int]], cached_mask: torch.Tensor, cached_len: list[int], cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run each row's new tokens (left-padded) after what ``cache`` already holds for it.
+
+        ``cached_mask`` [B, C] marks the cache positions that are real for each row, ``cached_len[b]``
+        how many there are (the position of row b's first new token). Returns the last-position
+        logits [B, V], the mask over the whole cache [B, C + S] (``cached | [0]*pad + [1]*new``) and
+        each row's next position [B, 1]."""
+        device = self.device
+        n_rows = len(suffixes)
         max_len = max(len(s) for s in suffixes)
         input_ids = torch.full((n_rows, max_len), self.pad_token_id, dtype=torch.long)
         suffix_mask = torch.zeros((n_rows, max_len), dtype=torch.long)
@@ -488,10 +486,10 @@ class HFEngine(Engine):
             input_ids[i, max_len - len(s) :] = torch.tensor(s, dtype=torch.long)
             suffix_mask[i, max_len - len(s) :] = 1
         input_ids, suffix_mask = input_ids.to(device), suffix_mask.to(device)
+        start = torch.tensor(cached_len, dtype=torch.long, device=device)[:, None]  # [B, 1]
         # position of each real token in its own sequence; pads get a valid dummy (masked anyway)
-        position_ids = prefix_len + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
-        # mask over the whole cache: [1]*P (shared prefix) + [0]*pad + [1]*suffix, shape [B, P + S]
-        attention_mask = torch.cat([suffix_mask.new_ones((n_rows, prefix_len)), suffix_mask], dim=-1)
+        position_ids = start + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        attention_mask = torch.cat([cached_mask, suffix_mask], dim=-1)  # [B, C + S]
         logits = self._forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
         )
