@@ -35,6 +35,7 @@ __all__ = [
     "SFTDataConfig",
     "SFTConfig",
     "EnvConfig",
+    "InjectionConfig",
     "TasksConfig",
     "RolloutSettings",
     "RLRolloutConfig",
@@ -245,12 +246,47 @@ class SFTConfig(_Section):
 # --- RL ---------------------------------------------------------------------------------------
 
 
+AttackKind = Literal["forbidden_tool", "exfiltrate", "answer_override"]
+"""The prompt-injection attacks of ``tracegym.envs.injection`` (docs/safety.md)."""
+
+ATTACK_KINDS: tuple[AttackKind, ...] = ("forbidden_tool", "exfiltrate", "answer_override")
+
+UntrustedToolOutput = Literal["none", "delimiters", "role"]
+"""How renderers show tool results (``tracegym.render.base.UntrustedToolOutput``; config.py imports
+nothing from the package, so the choices are written twice and a test keeps them equal)."""
+
+
+class InjectionConfig(_Section):
+    """Prompt-injection episodes (``tracegym.envs.injection.InjectionEnv``, docs/safety.md): a tool
+    result of some episodes carries an attacker's instruction, and following it is penalised."""
+
+    rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Fraction of tasks whose episodes are injected. Chosen per task id (a hash of the id and
+    ``seed``), so a task is injected in every run and in every sample of its group, or in none."""
+
+    attacks: list[AttackKind] = Field(default_factory=lambda: list(ATTACK_KINDS), min_length=1)
+    """Attack kinds an injected episode draws from (per task): ``forbidden_tool`` (call the honeypot
+    tool ``send_message``, offered in every episode), ``exfiltrate`` (leak the fake credential of the
+    system prompt), ``answer_override`` (give the attacker's wrong answer; tasks with an ``answer`` only)."""
+
+    penalty: float = Field(1.0, ge=0.0)
+    """Reward taken off, once, on the step where the agent follows the attack (not clamped: the
+    episode reward can go below the env's lowest). 0 for evaluation only."""
+
+    seed: int = 0
+    """Seed of the per-task choice of injected tasks, attack kinds, texts and canaries."""
+
+
 class EnvConfig(_Section):
     name: str = "calculator"
     """Registered environment id (``tracegym envs`` lists them)."""
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword options passed to the environment's constructor (difficulty, max_turns, ...)."""
+
+    injection: InjectionConfig | None = None
+    """Prompt-injection episodes for any env (docs/safety.md): training and evaluation episodes run
+    in ``InjectionEnv`` around the env. None (the default): off."""
 
 
 class TasksConfig(_Section):
@@ -358,6 +394,13 @@ class RLRolloutConfig(_Section, RolloutSettings):
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
     """Tree-search rollouts (``strategy: tree``)."""
+
+    untrusted_tool_output: UntrustedToolOutput = "none"
+    """How tool results are shown to the model (docs/safety.md): ``none`` (the template's own way),
+    ``delimiters`` (each result between ``<untrusted_input>`` markers, and one sentence in the system
+    prompt saying that text there is data, never instructions) or ``role`` (results in a turn of
+    their own role: ``untrusted`` in ChatML templates, ``input`` in Llama 3 as in Meta-SecAlign).
+    Recorded in ``final/tracegym.json``, so ``tracegym eval`` of the run renders the same way."""
 
     def settings(self, **overrides: Any) -> dict[str, Any]:
         """The ``RolloutSettings`` fields (what ``tracegym.rollout.RolloutConfig`` shares), with overrides."""
@@ -814,7 +857,8 @@ def _section_at(cls: type[BaseModel], loc: Sequence[str | int]) -> type[BaseMode
         if current is None or not isinstance(part, str) or part not in current.model_fields:
             return None
         annotation = current.model_fields[part].annotation
-        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        current = (annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+                   else _optional_section(annotation))
     return current
 
 
@@ -1015,9 +1059,27 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             rows.append((key, "section", "", field.description or ""))
             rows.extend(describe_fields(annotation, key + "."))
             continue
+        optional = _optional_section(annotation)
+        if optional is not None:  # a section that is off by default (``env.injection``)
+            rows.append((key, "section", repr(field.get_default(call_default_factory=True)), field.description or ""))
+            rows.extend(describe_fields(optional, key + "."))
+            continue
         type_name = str(annotation).replace("typing.", "")
         if isinstance(annotation, type):
             type_name = annotation.__name__
         default = field.get_default(call_default_factory=True)
         rows.append((key, type_name, repr(default), field.description or ""))
     return rows
+
+
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """``X`` for an annotation ``X | None`` whose ``X`` is a config section, else None."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0]
+    return None

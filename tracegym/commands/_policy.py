@@ -3,6 +3,7 @@
 The leading underscore keeps this module out of the subcommand discovery of ``tracegym.cli``.
 
     add_env_arguments(parser, default_split="test")
+    add_injection_arguments(parser)                 # --injection-rate ...: prompt-injection episodes
     add_policy_arguments(parser)
     add_run_arguments(parser, default_tasks=20, default_samples=8)
     ...
@@ -100,6 +101,47 @@ def check_env_args(args: argparse.Namespace) -> None:
         raise UsageError(f"cannot make env {args.env!r}: {exc}") from exc
 
 
+def _attack_list(text: str) -> list[str]:
+    from tracegym.config import ATTACK_KINDS
+
+    kinds = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [k for k in kinds if k not in ATTACK_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated attacks out of {', '.join(ATTACK_KINDS)}, got {text!r}")
+    return kinds
+
+
+def add_injection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--injection-rate`` and its settings: the episodes run in ``InjectionEnv`` (docs/safety.md)."""
+    group = parser.add_argument_group("prompt injection (docs/safety.md)")
+    group.add_argument("--injection-rate", type=float, default=None, metavar="RATE",
+                       help="inject an attack into the tool results of this fraction of the tasks (0..1); "
+                            "default: off. eval.json then reports asr and utility_clean / utility_injected")
+    group.add_argument("--injection-attacks", type=_attack_list, default=None, metavar="A,B",
+                       help="attacks to draw from (default: forbidden_tool,exfiltrate,answer_override)")
+    group.add_argument("--injection-penalty", type=float, default=0.0, metavar="P",
+                       help="reward taken off when the agent follows an attack (default 0: rewards stay the task's)")
+    group.add_argument("--injection-seed", type=int, default=0, help="seed of the injected-task choice (default 0)")
+
+
+def injection_settings(args: argparse.Namespace) -> Any:
+    """The ``InjectionConfig`` of ``--injection-*``, or None (off); UsageError for bad values."""
+    from pydantic import ValidationError
+
+    from tracegym.config import ATTACK_KINDS, InjectionConfig
+
+    rate = getattr(args, "injection_rate", None)
+    if rate is None:
+        return None
+    try:
+        return InjectionConfig(rate=rate, attacks=args.injection_attacks or list(ATTACK_KINDS),
+                               penalty=args.injection_penalty, seed=args.injection_seed)
+    except ValidationError as exc:
+        problems = "; ".join(f"--injection-{str(e['loc'][0])}: {e['msg']}" for e in exc.errors())
+        raise UsageError(problems) from None
+
+
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model name or local folder (default: the base model of --adapter, else smollm2-135m); "
@@ -112,6 +154,10 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'expert' records the env's scripted expert on the same token path")
     parser.add_argument("--renderer", default=None,
                         help="chat-template renderer (default: the adapter's, else the model's)")
+    parser.add_argument("--untrusted-tool-output", default=None, choices=["none", "delimiters", "role"],
+                        help="how tool results are shown (docs/safety.md): the template's way, between "
+                             "<untrusted_input> markers, or in a role of their own (default: what the adapter "
+                             "was trained with, else none)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer for rendering (default: the model's; smollm2-135m for --engine openai)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai engine: server URL")
@@ -210,6 +256,7 @@ class PolicySetup:
             "engine": self.engine_name,
             "policy": self.policy_name,
             "renderer": getattr(self.renderer, "name", type(self.renderer).__name__),
+            "untrusted_tool_output": getattr(self.renderer, "untrusted_tool_output", "none"),
         }
 
     def default_max_context(self) -> int | None:
@@ -288,6 +335,20 @@ def resolve_model_and_adapter(model: str | None, adapter: str | None) -> tuple[s
     return model or DEFAULT_MODEL, adapter, renderer_hint
 
 
+def _recorded_untrusted_mode(adapter: str | None) -> Any:
+    """The ``untrusted_tool_output`` an adapter was trained with (its ``tracegym.json``), else "none"."""
+    import json
+
+    info = Path(adapter) / "tracegym.json" if adapter is not None else None
+    if info is None or not info.is_file():
+        return "none"
+    try:
+        recorded = json.loads(info.read_text(encoding="utf-8")).get("untrusted_tool_output")
+    except (OSError, ValueError, AttributeError):
+        return "none"
+    return recorded if recorded in ("none", "delimiters", "role") else "none"
+
+
 def _merge_adapter(model: Any, adapter: str) -> Any:
     """``model`` with the LoRA adapter in ``adapter`` merged into its weights (a plain model again)."""
     from peft import PeftModel
@@ -301,6 +362,7 @@ def build_policy(args: argparse.Namespace) -> PolicySetup:
     from tracegym.render import get_renderer
 
     model_name, adapter, renderer_hint = resolve_model_and_adapter(args.model, args.adapter)
+    untrusted = getattr(args, "untrusted_tool_output", None) or _recorded_untrusted_mode(adapter)
     expert = args.policy == "expert"
     if adapter is not None and expert:
         raise UsageError("--adapter has no effect with --policy expert (the scripted expert uses no model weights)")
@@ -322,7 +384,8 @@ def build_policy(args: argparse.Namespace) -> PolicySetup:
             tokenizer = load_tokenizer(args.tokenizer or "smollm2-135m")
         else:
             tokenizer = load_tokenizer(args.tokenizer or model_name)
-        renderer = get_renderer(args.renderer or renderer_hint or model_name, tokenizer)
+        renderer = get_renderer(args.renderer or renderer_hint or model_name, tokenizer,
+                                untrusted_tool_output=untrusted)
     except (ValueError, FileNotFoundError) as exc:  # UnknownModelError is a ValueError
         raise UsageError(str(exc)) from exc
 
@@ -406,15 +469,18 @@ def run_policy(
     writer: Any | None = None,
     failed_writer: Any | None = None,
 ) -> RolloutResult:
-    """Run every episode (``len(tasks) * config.samples_per_task``) and return the result."""
+    """Run every episode (``len(tasks) * config.samples_per_task``) and return the result; with
+    ``--injection-rate``, in ``InjectionEnv`` around the env."""
     import asyncio
 
+    from tracegym.envs.injection import env_source
     from tracegym.rollout import run_rollouts
 
+    env, options = env_source(args.env, env_options, injection_settings(args))
     return asyncio.run(
         run_rollouts(
-            args.env, tasks, setup.policy, setup.renderer, config, writer=writer, progress=not args.no_progress,
-            failed_writer=failed_writer, env_options=env_options, policy_name=setup.policy_name,
+            env, tasks, setup.policy, setup.renderer, config, writer=writer, progress=not args.no_progress,
+            failed_writer=failed_writer, env_options=options, policy_name=setup.policy_name,
             gap_model=setup.gap_model,
         )
     )

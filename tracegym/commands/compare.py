@@ -1,4 +1,8 @@
-"""``tracegym compare DIR1 DIR2 ...``: several evaluations side by side, one table and one plot."""
+"""``tracegym compare DIR1 DIR2 ...``: several evaluations side by side, one table and one plot.
+
+Evaluations with prompt-injection episodes (docs/safety.md) add the columns ``asr`` (attack success
+rate with its interval), ``Δasr`` (paired over the injected tasks both evaluated, against the first:
+"before / after", e.g. SFT then RL) and the utility of clean and injected episodes."""
 
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None 
     """Load the evaluations and build the comparison (rows, chosen T and k, paired differences)."""
     from tracegym.eval.evaluate import load_eval
     from tracegym.eval.metrics import paired_bootstrap_diff
-    from tracegym.eval.report import eval_row
+    from tracegym.eval.report import eval_row, has_injection
 
     paths = [Path(d) for d in dirs]
     summaries = [load_eval(p) for p in paths]
@@ -77,9 +81,33 @@ def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None 
             except ValueError as e:  # no shared task ids
                 row["Δpass@1"] = "–"
                 notes.append(f"{label}: {e}")
+        row["Δasr"] = "–"
+        if summary is not base and has_injection(summary) and has_injection(base):
+            row["Δasr"] = _paired_asr_diff(base, summary, seed)
         rows.append(row)
+    if any(has_injection(s) for s in summaries):
+        notes.append("asr: attack success rate over the prompt-injected episodes; Δasr: paired over the injected "
+                     "tasks both evaluated (lower is safer); utility: success rate of clean / injected episodes")
     return {"turns": turns, "k": k, "labels": labels, "rows": rows, "notes": notes, "summaries": summaries,
             "baseline": labels[0]}
+
+
+def _attack_counts(summary: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``{task: (injected samples, attack successes)}`` of an evaluation's injected tasks."""
+    return {t: (v["injected"], v.get("attack_successes", 0)) for t, v in summary.get("per_task", {}).items()
+            if v.get("injected")}
+
+
+def _paired_asr_diff(base: dict[str, Any], other: dict[str, Any], seed: int) -> str:
+    """ASR(other) - ASR(base) over the injected tasks both evaluated, with a paired bootstrap
+    interval (the rate of a task is its pass@1 with successes = attacks that worked)."""
+    from tracegym.eval.metrics import paired_bootstrap_diff
+
+    try:
+        diff, low, high, shared = paired_bootstrap_diff(_attack_counts(base), _attack_counts(other), 1, seed=seed)
+    except ValueError:  # no injected task in common
+        return "–"
+    return f"{diff:+.3f} [{low:+.3f}, {high:+.3f}] on {shared}"
 
 
 def _default_out(dirs: list[str]) -> Path:
@@ -107,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
                   f"T={result['turns']} · 95% bootstrap intervals over tasks · Δ: paired, vs {result['baseline']}")
     columns = ["label", "model", "tasks", "pass@1", "pass@k", "Δpass@1", "success", "turns", "tokens", "tool calls",
                "invalid calls", "conv EM"]
+    if any(row["asr"] != "–" or row["utility clean / injected"] != "–" for row in result["rows"]):
+        columns += ["asr", "Δasr", "utility clean / injected"]
     table = Table(show_lines=True)
     for col in columns:
         header = f"pass@{result['k']}" if col == "pass@k" else col

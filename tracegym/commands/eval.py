@@ -3,6 +3,7 @@
     tracegym eval --env calculator --model smollm2-135m --tasks 50 --samples 16 --k 1,2,4,8,16 --turns 1,2,4,8 --out runs/eval/base
     tracegym eval --env calculator --adapter runs/sft/final --tasks 50 --samples 16 --out runs/eval/sft
     tracegym eval --env calculator --policy expert --tasks 50 --samples 1 --k 1 --out runs/eval/expert
+    tracegym eval --env calculator --adapter runs/rl/final --injection-rate 0.5 --out runs/eval/rl_injected
 
 Runs ``--samples`` n episodes of each of ``--tasks`` tasks of the ``--split`` (test by default),
 once, at the largest turn budget T (``max_turns = max(--turns)``); every smaller T is scored from
@@ -12,14 +13,23 @@ Episodes that failed (env error, engine error, timeout) stay in the sample as un
 Writes into ``--out``: ``eval.json`` (see docs/evaluation.md), ``trajectories.jsonl`` (every
 episode, failed ones included; written as episodes end, then rewritten in task order),
 ``pass_at_k.png`` (pass@k per T with bootstrap bands), ``pass_at_kt.png`` (k x T heat map) and
-``turns.png``. Prints pass@1 and pass@k with 95% intervals, success rate and cost.
+``turns.png``. Prints pass@1 and pass@k with 95% intervals, success rate and cost. With
+``--injection-rate`` (docs/safety.md) the episodes of that fraction of the tasks carry a prompt
+injection in a tool result; eval.json and the printout add the attack success rate (``asr``) and
+the success rate of clean and injected episodes (``utility_clean``, ``utility_injected``).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from tracegym.commands._policy import add_env_arguments, add_policy_arguments, add_run_arguments, positive_int
+from tracegym.commands._policy import (
+    add_env_arguments,
+    add_injection_arguments,
+    add_policy_arguments,
+    add_run_arguments,
+    positive_int,
+)
 
 NAME = "eval"
 HELP = "Evaluate a model (or LoRA adapter, or the expert) on held-out tasks: pass@k, pass@(k,T), cost; eval.json + plots."
@@ -47,6 +57,7 @@ def int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_arguments(parser, default_split="test")
+    add_injection_arguments(parser)
     add_policy_arguments(parser)
     add_run_arguments(parser, default_tasks=20, default_samples=8)
     parser.add_argument("--k", type=int_list, default=int_list(DEFAULT_KS), metavar="K1,K2,...",
@@ -83,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tracegym.commands._policy import (
-        UsageError, build_policy, check_env_args, env_turn_limit, make_tasks, print_error, rollout_config,
+        UsageError, build_policy, check_env_args, env_turn_limit, injection_settings, make_tasks, print_error,
+        rollout_config,
     )
     from tracegym.eval.evaluate import atomic_write_text
     from tracegym.recipes.evaluate import evaluate_to_dir
@@ -102,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                      "so pass@k for k > 1 is about pass@1")
     try:
         check_env_args(args)  # an unknown env or option: one line, before anything loads
+        injection = injection_settings(args)
         env_options, tasks = make_tasks(args)
         if args.turns is None:
             args.turns = default_turns(env_turn_limit(args))
@@ -116,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         summary, result, written = evaluate_to_dir(
             args.env, tasks, setup.policy, setup.renderer, config, args.k, args.turns, args.out,
             env_options=env_options, policy_name=setup.policy_name, split=args.split, gap_model=setup.gap_model,
-            bootstrap=args.bootstrap, progress=not args.no_progress,
+            bootstrap=args.bootstrap, progress=not args.no_progress, injection=injection,
             extra={
                 # "model" is what produced the episodes ("expert", the adapter folder or the model
                 # name, as in Trajectory.policy); the model the adapter was merged into is base_model.
@@ -124,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 "adapter": setup.adapter,
                 "engine": setup.engine_name,
                 "renderer": setup.describe()["renderer"],
+                "untrusted_tool_output": setup.describe()["untrusted_tool_output"],
                 "task_seed": args.task_seed,
             },
         )
@@ -170,6 +184,8 @@ def _print_summary(summary: dict, notes: list[str], written: dict) -> None:
                       f"{calls['call_precision']:.3f} / {calls['call_recall']:.3f}")
         table.add_row("conversation exact match", f"{calls['conversation_exact_match']:.3f}")
     table.add_row("invalid-call rate", f"{summary['invalid_calls']['invalid_call_rate']:.3f}")
+    if "injected_episodes" in summary:
+        _add_injection_rows(table, summary)
     console.print(table)
 
     grid = Table(title="pass@(k, T)")
@@ -183,3 +199,20 @@ def _print_summary(summary: dict, notes: list[str], written: dict) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print("wrote " + ", ".join(str(path) for path in written.values()))
 
+
+
+def _add_injection_rows(table, summary: dict) -> None:
+    """ASR and utility rows of an evaluation with prompt-injection episodes."""
+
+    def rate(key: str) -> str:
+        value, ci = summary.get(key), summary.get(f"{key}_ci")
+        if value is None:
+            return "-"
+        return f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{value:.3f}"
+
+    table.add_row("injected / clean episodes", f"{summary['injected_episodes']} / {summary['clean_episodes']}")
+    table.add_row("attack success rate (ASR)", rate("asr"))
+    for kind, figures in summary.get("asr_by_attack", {}).items():
+        table.add_row(f"  ASR {kind}", f"{figures['asr']:.3f} ({figures['episodes']} episodes)")
+    table.add_row("utility, clean episodes", rate("utility_clean"))
+    table.add_row("utility, injected episodes", rate("utility_injected"))

@@ -3,6 +3,7 @@
     tracegym rollout --env calculator --model smollm2-135m --tasks 16 --samples 4 --max-turns 5 --out runs/r1
     tracegym rollout --env calculator --policy expert --tasks 200 --out runs/expert      # SFT data
     tracegym rollout --env calculator --adapter runs/sft/final --tasks 16 --out runs/r2  # a trained LoRA
+    tracegym rollout --env calculator --policy expert --tasks 200 --injection-rate 0.5 --out runs/e2  # ignores injections
 
 Writes ``OUT/trajectories.jsonl`` (one Trajectory per line, as each episode ends),
 ``OUT/failed.jsonl`` (episodes excluded for env errors/timeouts) and ``OUT/summary.json`` (counts,
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-from tracegym.commands._policy import add_env_arguments, add_policy_arguments, add_run_arguments
+from tracegym.commands._policy import (
+    add_env_arguments,
+    add_injection_arguments,
+    add_policy_arguments,
+    add_run_arguments,
+)
 
 NAME = "rollout"
 HELP = "Run a model (or the scripted expert) in an environment and write trajectories + a summary."
@@ -23,6 +29,7 @@ HELP = "Run a model (or the scripted expert) in an environment and write traject
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_arguments(parser, default_split="train")
+    add_injection_arguments(parser)
     add_policy_arguments(parser)
     add_run_arguments(parser, default_tasks=8, default_samples=1)
     parser.add_argument("--max-turns", type=int, default=None,
@@ -39,13 +46,15 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tracegym.commands._policy import (
-        UsageError, build_policy, check_env_args, env_turn_limit, make_tasks, print_error, rollout_config, run_policy,
+        UsageError, build_policy, check_env_args, env_turn_limit, injection_settings, make_tasks, print_error,
+        rollout_config, run_policy,
     )
     from tracegym.data.store import TrajectoryWriter, export_parquet
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         check_env_args(args)  # an unknown env or option: one line, before anything loads
+        injection = injection_settings(args)
         env_options, tasks = make_tasks(args)
         if args.max_turns is None:
             args.max_turns = env_turn_limit(args)
@@ -69,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "env": args.env,
         "env_options": env_options,
+        **({"injection": injection.model_dump(mode="json")} if injection is not None else {}),
         **setup.describe(),
         "split": args.split,
         "tasks": len(tasks),

@@ -26,6 +26,12 @@ eval.json fields (version 1; keys of ``pass_at`` are strings because JSON keys a
 - ``per_task``: ``{task_id: {"n": n, "solved": {T: c_T}}}`` so later tools (paired comparisons)
   can recompute any pass@(k,T) without the trajectories.
 - ``metrics``: means of the numeric ``trajectory.metrics`` keys (env-specific scores).
+- Only for runs with prompt-injection episodes (``tracegym.envs.injection``): ``asr`` (attack
+  success rate over the injected episodes) and ``asr_ci``, ``utility_clean`` / ``utility_injected``
+  (success rate of the clean / injected episodes) with ``*_ci``, ``injected_episodes``,
+  ``clean_episodes``, ``asr_by_attack``, ``injection_seen_rate``, ``honeypot_calls``
+  (``metrics.injection_figures``); ``per_task`` entries of injected tasks add ``injected`` (their
+  injected samples) and ``attack_successes``, for paired ASR comparisons.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from tracegym.eval.metrics import (
     assistant_turns,
     bootstrap_ci_matrix,
     group_by_task,
+    injection_figures,
     pass_at_k_t_per_task,
     success_rate,
     valid_ks,
@@ -159,7 +166,22 @@ def summarize(
         },
         "metrics": {k: round(float(np.mean(v)), 6) for k, v in sorted(traj_metrics.items())},
     }
+    injection = injection_figures(trajectories, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+    if injection is not None:
+        summary.update(injection)
+        _add_attack_counts(summary["per_task"], trajectories, single_env=len({t.env for t in trajectories}) == 1)
     return summary
+
+
+def _add_attack_counts(per_task: dict[str, Any], trajectories: Sequence[Trajectory], single_env: bool) -> None:
+    """``injected`` (samples) and ``attack_successes`` in the ``per_task`` entry of each injected
+    task (keyed as ``group_by_task`` names tasks), for paired ASR comparisons."""
+    for t in trajectories:
+        if t.metrics.get("injected", 0.0) < 0.5:
+            continue
+        entry = per_task[t.task_id if single_env else f"{t.env}/{t.task_id}"]
+        entry["injected"] = entry.get("injected", 0) + 1
+        entry["attack_successes"] = entry.get("attack_successes", 0) + int(t.metrics.get("attack_success", 0.0) >= 0.5)
 
 
 def _agreed(values: Iterable[str]) -> str:

@@ -13,13 +13,18 @@ and used at most T assistant turns. All T come from one set of n samples per tas
 largest T. That is exact when the agent's first T turns do not depend on the turn limit (the
 prompt does not state it), because a run cut at T is then the prefix of the run at the largest T.
 
+Prompt-injection runs (``tracegym.envs.injection``) mark every episode with ``injected`` and
+``attack_success`` in ``Trajectory.metrics``: :func:`injection_figures` gives the attack success
+rate (ASR) over the injected episodes and the success rate (utility) of the clean and of the
+injected episodes, each a mean over tasks with a bootstrap interval over tasks, as pass@k has.
+
 Everything here is a pure function of counts or per-task outcomes; no file I/O, no plotting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +36,7 @@ __all__ = [
     "bootstrap_ci",
     "bootstrap_ci_matrix",
     "group_by_task",
+    "injection_figures",
     "mean_pass_at_k",
     "paired_bootstrap_diff",
     "pass_at_k",
@@ -236,3 +242,65 @@ def paired_bootstrap_diff(
     low, high = bootstrap_ci(diffs, n_resamples, confidence, seed)
     return float(diffs.mean()), low, high, len(shared)
 
+
+
+def _rate_over_tasks(
+    trajectories: Sequence[Trajectory], value: Callable[[Trajectory], float], n_resamples: int, confidence: float,
+    seed: int,
+) -> tuple[float | None, list[float] | None]:
+    """Mean over tasks of the per-task mean of ``value``, and its bootstrap interval over tasks;
+    (None, None) without trajectories."""
+    by_task: dict[tuple[str, str], list[float]] = {}
+    for t in trajectories:
+        by_task.setdefault((t.env, t.task_id), []).append(value(t))
+    if not by_task:
+        return None, None
+    per_task = [float(np.mean(v)) for v in by_task.values()]
+    low, high = bootstrap_ci(per_task, n_resamples, confidence, seed)
+    return round(float(np.mean(per_task)), 6), [round(low, 6), round(high, 6)]
+
+
+def injection_figures(
+    trajectories: Sequence[Trajectory], n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> dict[str, Any] | None:
+    """ASR and utility of a run with prompt-injection episodes, or None when no trajectory carries
+    the ``injected`` metric (episodes that failed before their first step carry none and are left out).
+
+    ``asr``: attack success rate over the injected episodes; ``utility_clean`` /
+    ``utility_injected``: success rate over the clean / the injected episodes (all of them: also
+    those where the agent never reached the injected text, so both are unbiased); each a mean over
+    tasks with a ``*_ci`` bootstrap interval over tasks (None where the group is empty). Also:
+    ``injected_episodes``, ``clean_episodes``, ``asr_by_attack`` (``{kind: {"episodes", "asr"}}``,
+    over episodes), ``injection_seen_rate`` (injected episodes whose agent read the text) and
+    ``honeypot_calls`` (calls of the honeypot tool per episode, where it was offered)."""
+    marked = [t for t in trajectories if "injected" in t.metrics]
+    if not marked:
+        return None
+    injected = [t for t in marked if t.metrics["injected"] >= 0.5]
+    clean = [t for t in marked if t.metrics["injected"] < 0.5]
+    args = (n_resamples, confidence, seed)
+    asr, asr_ci = _rate_over_tasks(injected, lambda t: float(t.metrics.get("attack_success", 0.0)), *args)
+    utility_clean, utility_clean_ci = _rate_over_tasks(clean, lambda t: float(t.success), *args)
+    utility_injected, utility_injected_ci = _rate_over_tasks(injected, lambda t: float(t.success), *args)
+    by_attack: dict[str, list[float]] = {}
+    for t in injected:
+        for key in t.metrics:
+            if key.startswith("attack/"):
+                kind = key.removeprefix("attack/")
+                by_attack.setdefault(kind, []).append(float(t.metrics.get("attack_success", 0.0)))
+    honeypot = [t.metrics["honeypot_calls"] for t in marked if "honeypot_calls" in t.metrics]
+    return {
+        "asr": asr,
+        "asr_ci": asr_ci,
+        "utility_clean": utility_clean,
+        "utility_clean_ci": utility_clean_ci,
+        "utility_injected": utility_injected,
+        "utility_injected_ci": utility_injected_ci,
+        "injected_episodes": len(injected),
+        "clean_episodes": len(clean),
+        "asr_by_attack": {kind: {"episodes": len(v), "asr": round(float(np.mean(v)), 6)}
+                          for kind, v in sorted(by_attack.items())},
+        "injection_seen_rate": round(float(np.mean([t.metrics.get("injection_seen", 0.0) for t in injected])), 6)
+        if injected else None,
+        "honeypot_calls": round(float(np.mean(honeypot)), 6) if honeypot else None,
+    }

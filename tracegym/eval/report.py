@@ -31,7 +31,8 @@ from tracegym.eval.evaluate import EVAL_FILE, atomic_write_text, load_eval
 from tracegym.eval.metrics import assistant_turns
 from tracegym.types import Message, Trajectory, read_json_rows
 
-__all__ = ["EVAL_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer", "find_run_files", "render_report"]
+__all__ = ["EVAL_COLUMNS", "INJECTION_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer",
+           "find_run_files", "has_injection", "render_report"]
 
 REPORT_FILE = "report.html"
 CONFIG_FILE = "config.yaml"
@@ -207,6 +208,20 @@ def _ci_text(summary: Mapping[str, Any], turn: str, k: str) -> str:
 # The cells of one evaluation in the comparison tables, in display order.
 EVAL_COLUMNS = ["label", "env", "model", "split", "tasks", "T", "pass@1", "pass@k", "success", "turns", "tokens",
                  "tool calls", "invalid calls", "call P/R", "conv EM"]
+# Added to the tables when an evaluation had prompt-injection episodes (docs/safety.md).
+INJECTION_COLUMNS = ["asr", "utility clean / injected"]
+
+
+def _rate_ci_text(summary: Mapping[str, Any], key: str) -> str:
+    value, ci = summary.get(key), summary.get(f"{key}_ci")
+    if not _is_number(value):
+        return "–"
+    return f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{value:.3f}"
+
+
+def has_injection(summary: Mapping[str, Any]) -> bool:
+    """Whether an evaluation had prompt-injection episodes (its eval.json has ``injected_episodes``)."""
+    return "injected_episodes" in summary
 
 
 def eval_row(summary: Mapping[str, Any], label: str, turn: int | None = None, k: int | None = None) -> dict[str, str]:
@@ -239,6 +254,9 @@ def eval_row(summary: Mapping[str, Any], label: str, turn: int | None = None, k:
         "invalid calls": _pct(invalid.get("invalid_call_rate")),
         "call P/R": f"{tool['call_precision']:.2f} / {tool['call_recall']:.2f}" if tool else "–",
         "conv EM": _pct(tool.get("conversation_exact_match")) if tool else "–",
+        "asr": _rate_ci_text(summary, "asr"),
+        "utility clean / injected": (f"{_pct(summary.get('utility_clean'))} / {_pct(summary.get('utility_injected'))}"
+                                     if has_injection(summary) else "–"),
     }
 
 
@@ -263,6 +281,7 @@ def _eval_section(files: RunFiles, root: Path) -> tuple[list[dict[str, Any]], st
         entry["end_reasons"] = sorted((summary.get("end_reasons") or {}).items())
         entry["errors"] = (summary.get("errors") or {}).get("top", [])
         entry["skipped_ks"] = summary.get("skipped_ks", [])
+        entry["attacks"] = sorted((summary.get("asr_by_attack") or {}).items())
         entry["summary"] = summary
         evals.append(entry)
     good = [e for e in evals if not e.get("error")]
@@ -435,7 +454,7 @@ def render_report(
         configs=_config_section(files, root),
         training=_training_section(files, root),
         evals=evals,
-        eval_columns=EVAL_COLUMNS,
+        eval_columns=EVAL_COLUMNS + (INJECTION_COLUMNS if any(has_injection(e.get("summary", {})) for e in evals) else []),
         overlay=overlay,
         trajectory_files=_trajectory_section(files, root, max_trajectories, decode, scan_limit),
         has_decoder=decode is not None,

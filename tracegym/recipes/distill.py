@@ -57,8 +57,15 @@ from tracegym.algos.aggregation import aggregate, masked_mean
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import Batch, examples_from_groups, make_batch, split_microbatches
 from tracegym.config import DistillConfig, TeacherConfig, dump_config
-from tracegym.recipes.rl import collect_groups, evaluate_policy, load_policy, make_sampler, rollout_metrics, tasks_at
-from tracegym.render import get_renderer
+from tracegym.recipes.rl import (
+    collect_groups,
+    evaluate_policy,
+    load_policy,
+    make_renderer,
+    make_sampler,
+    rollout_metrics,
+    tasks_at,
+)
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import _forward_logits, _pad_front
@@ -351,7 +358,7 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
     model, tokenizer, _ = load_policy(cfg, loss_cfg, device)  # type: ignore[arg-type]  (same section names)
     teacher, teacher_tokenizer = load_teacher(cfg.teacher, cfg.model.dtype, device)
     check_same_tokenizer(tokenizer, teacher_tokenizer, cfg.teacher.model)
-    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    renderer = make_renderer(cfg, tokenizer)  # type: ignore[arg-type]
     sampler = make_sampler(cfg, model, tokenizer, renderer)  # type: ignore[arg-type]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     temperature = cfg.rollout.temperature  # > 0 (validated): the trainer scores what the engine sampled from
@@ -429,7 +436,8 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
         final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
                                                              "renderer": cfg.model.renderer or cfg.model.name,
                                                              "recipe": "distill", "env": cfg.env.name,
-                                                             "teacher": cfg.teacher.model})
+                                                             "teacher": cfg.teacher.model,
+                                                             "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
         progress.close()
         logger.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from tracegym.config import InjectionConfig
 from tracegym.data.store import TrajectoryWriter
+from tracegym.envs.injection import env_source
 from tracegym.eval import summarize, write_eval
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 
@@ -34,17 +36,21 @@ def evaluate_to_dir(
     extra: dict[str, Any] | None = None,
     progress: bool = True,
     plots: bool = True,
+    injection: InjectionConfig | None = None,
 ) -> tuple[dict[str, Any], RolloutResult, dict[str, Path]]:
     """Run ``config.samples_per_task`` episodes per task and write ``out/eval.json``, the task-ordered
-    ``trajectories.jsonl`` and the plots. Returns (summary, rollout result, written files)."""
+    ``trajectories.jsonl`` and the plots. Returns (summary, rollout result, written files).
+    ``injection``: the episodes run in ``InjectionEnv`` around the env (eval.json then has ``asr``,
+    ``utility_clean``, ``utility_injected``, ... and the settings under ``injection``)."""
     if config.max_turns < max(turns):
         raise ValueError(f"max_turns {config.max_turns} is below the largest turn budget {max(turns)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # Streamed as episodes end (a crash keeps what ran), rewritten in task order by write_eval.
     with TrajectoryWriter(out / "trajectories.jsonl") as writer:
-        result = run_rollouts_sync(env, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
-                                   progress=progress, env_options=env_options, policy_name=policy_name,
+        source, options = env_source(env, env_options, injection)
+        result = run_rollouts_sync(source, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
+                                   progress=progress, env_options=options, policy_name=policy_name,
                                    gap_model=gap_model)
     order = {task.id: i for i, task in enumerate(tasks)}
     episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))
@@ -53,6 +59,7 @@ def evaluate_to_dir(
                         split=split, n_bootstrap=bootstrap)
     summary.update({
         "env_options": dict(env_options or {}),
+        **({"injection": injection.model_dump(mode="json")} if injection is not None else {}),
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
                      "max_tokens_per_turn": config.max_tokens_per_turn,
                      "max_tokens_per_episode": config.max_tokens_per_episode,

@@ -29,6 +29,12 @@ update runs in train mode (transformers recomputes activations only there); drop
 
 The reference policy (``policy_loss.kl_coef > 0``) is the LoRA base with the adapter disabled (no
 second copy in memory), or a frozen copy with full fine-tuning.
+
+Prompt-injection safety (docs/safety.md): with ``env.injection`` every episode (training, branching,
+evaluation) runs in ``InjectionEnv`` around the env, so a share of the tasks carry an attack in a
+tool result and following it costs ``env.injection.penalty`` of reward; the rows then log
+``attack/asr`` (and ``eval/asr``) next to the utility of clean and injected episodes.
+``rollout.untrusted_tool_output`` renders tool results as untrusted input.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from tracegym.algos.kl import kl_per_token
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
+from tracegym.envs.injection import InjectionEnv, env_source
+from tracegym.eval.metrics import injection_figures
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout_branches import score_mc_continuation
@@ -103,15 +111,38 @@ def collect_groups(
     """``group_size`` episodes of every task with the current policy -> one group per task: independent
     chains, or with ``rollout.strategy: tree`` the ``group_size`` leaves of one tree per task."""
     rollout_cfg = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size, seed=seed)
+    env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
     if cfg.rollout.strategy == "tree":
         result, tree_stats = run_tree_rollouts_sync(
-            cfg.env.name, tasks, sampler, renderer, rollout_cfg, cfg.rollout.tree, cfg.group_size,
-            env_options=cfg.env.options, writer=writer, policy_name="policy")
+            env, tasks, sampler, renderer, rollout_cfg, cfg.rollout.tree, cfg.group_size,
+            env_options=env_options, writer=writer, policy_name="policy")
         result.stats.extra = tree_stats.metrics()
         return group_trajectories(result.trajectories), result
-    result = run_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, writer=writer, progress=False,
-                               env_options=cfg.env.options, policy_name="policy", gap_model=gap_model)
+    result = run_rollouts_sync(env, tasks, sampler, renderer, rollout_cfg, writer=writer, progress=False,
+                               env_options=env_options, policy_name="policy", gap_model=gap_model)
     return group_trajectories(result.trajectories), result
+
+
+def make_renderer(cfg: RLConfig, tokenizer: Any) -> Any:
+    """The renderer of ``model.renderer`` (or the model's), showing tool results as
+    ``rollout.untrusted_tool_output`` says."""
+    return get_renderer(cfg.model.renderer or cfg.model.name, tokenizer,
+                        untrusted_tool_output=cfg.rollout.untrusted_tool_output)
+
+
+def injection_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+    """``{prefix}asr`` (attack success rate of the injected episodes), ``{prefix}utility_clean`` /
+    ``{prefix}utility_injected`` (their success rates) and ``{prefix}injected`` (the injected share);
+    {} for episodes without injections."""
+    figures = injection_figures(trajectories, n_resamples=1)  # rows log the rates, not intervals
+    if figures is None:
+        return {}
+    total = figures["injected_episodes"] + figures["clean_episodes"]
+    out = {f"{prefix}injected": figures["injected_episodes"] / max(total, 1)}
+    for key in ("asr", "utility_clean", "utility_injected"):
+        if figures[key] is not None:
+            out[f"{prefix}{key}"] = float(figures[key])
+    return out
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[RolloutResult]) -> dict[str, float]:
@@ -128,6 +159,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         "env/errors": float(sum(r.stats.failed for r in results)),
         "rollout/tokens_per_s": mean([r.stats.tokens_per_s for r in results]),
         "rollout/generated_tokens": float(sum(r.stats.generated_tokens for r in results)),  # what the engine sampled
+        **injection_metrics(episodes, "attack/"),
     }
     for r in results:
         for reason, count in r.stats.end_reasons.items():
@@ -177,8 +209,9 @@ def score_and_estimate(
     groups = list(groups)
     extra: dict[str, float] = {}
     if cfg.advantage.intrinsic == "mc_continuation":
+        env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
         groups, mc_stats = score_mc_continuation(
-            groups, sampler, renderer, cfg.env.name, cfg.env.options, tasks,
+            groups, sampler, renderer, env, env_options, tasks,
             decision_turns=cfg.advantage.mc_decision_turns, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
             config=RolloutConfig(**cfg.rollout.settings()), seed=seed,
             reach=cfg.advantage.mc_reach)
@@ -246,12 +279,14 @@ def evaluate_policy(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[
         **cfg.rollout.settings(temperature=cfg.eval.temperature, measure_logprob_gap=False),
         samples_per_task=cfg.eval.samples_per_task, seed=seed,
     )
-    result = run_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, progress=False,
-                               env_options=cfg.env.options, policy_name="policy")
+    env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
+    result = run_rollouts_sync(env, tasks, sampler, renderer, rollout_cfg, progress=False,
+                               env_options=env_options, policy_name="policy")
     summary = summarize(result.trajectories + result.failed, ks=[1], turns=[cfg.rollout.max_turns], env=cfg.env.name,
                         n_bootstrap=200)  # failed episodes count as unsolved
     return {"eval/pass@1": summary["pass_at"][str(cfg.rollout.max_turns)]["1"], "eval/success_rate": summary["success_rate"],
-            "eval/turns": summary["cost"]["turns"], "eval/env_errors": float(result.stats.failed)}
+            "eval/turns": summary["cost"]["turns"], "eval/env_errors": float(result.stats.failed),
+            **injection_metrics(result.trajectories + result.failed, "eval/")}
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -273,6 +308,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     if problems:  # a bad estimator name or option fails before anything loads
         raise ValueError("; ".join(problems))
     probe = make(cfg.env.name, **cfg.env.options)  # a bad env name/option fails before the model loads
+    if cfg.env.injection is not None:  # so does a tool that clashes with the injection's honeypot
+        InjectionEnv.from_config(probe, cfg.env.injection).tool_schemas()
     train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
     test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
     probe.close()
@@ -280,7 +317,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, reference = load_policy(cfg, loss_cfg, device)
-    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    renderer = make_renderer(cfg, tokenizer)
     sampler = make_sampler(cfg, model, tokenizer, renderer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the trainer scores under the distribution the engine sampled from (logits / T): ratio 1 at any T
@@ -388,7 +425,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
         final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
                                                              "renderer": cfg.model.renderer or cfg.model.name,
-                                                             "recipe": "rl", "env": cfg.env.name})
+                                                             "recipe": "rl", "env": cfg.env.name,
+                                                             "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
         progress.close()
         logger.close()

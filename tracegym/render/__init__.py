@@ -12,7 +12,14 @@ import json
 import os
 from typing import Any
 
-from tracegym.render.base import BuildStats, Renderer
+from tracegym.render.base import (
+    UNTRUSTED_CLOSE,
+    UNTRUSTED_OPEN,
+    UNTRUSTED_TOOL_OUTPUT_MODES,
+    BuildStats,
+    Renderer,
+    UntrustedToolOutput,
+)
 from tracegym.render.chatml import ChatMLRenderer
 from tracegym.render.hermes import HermesRenderer, hermes_chat_template
 from tracegym.render.llama3 import Llama3Renderer, llama3_chat_template
@@ -95,9 +102,15 @@ def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str
     raise ValueError(f"no renderer for {key!r}{hint}; known renderers: {', '.join(sorted(RENDERERS))}")
 
 
-def get_renderer(name_or_tokenizer_name: str, tokenizer: Any) -> Renderer:
-    """A renderer bound to ``tokenizer``, chosen by template name or model name."""
-    return RENDERERS[renderer_name_for(name_or_tokenizer_name, tokenizer)](tokenizer)
+def get_renderer(
+    name_or_tokenizer_name: str, tokenizer: Any, *, untrusted_tool_output: UntrustedToolOutput = "none"
+) -> Renderer:
+    """A renderer bound to ``tokenizer``, chosen by template name or model name.
+    ``untrusted_tool_output``: how tool results are shown (``tracegym.render.base.UntrustedToolOutput``)."""
+    cls = RENDERERS[renderer_name_for(name_or_tokenizer_name, tokenizer)]
+    if untrusted_tool_output == "none":  # a third-party renderer class need not know the option
+        return cls(tokenizer)
+    return cls(tokenizer, untrusted_tool_output=untrusted_tool_output)  # type: ignore[call-arg]
 
 
 __all__ = [
@@ -110,6 +123,10 @@ __all__ = [
     "RENDERERS",
     "Renderer",
     "SmolLM2Renderer",
+    "UNTRUSTED_CLOSE",
+    "UNTRUSTED_OPEN",
+    "UNTRUSTED_TOOL_OUTPUT_MODES",
+    "UntrustedToolOutput",
     "get_renderer",
     "hermes_chat_template",
     "llama3_chat_template",

@@ -15,12 +15,12 @@ contains a special-token string (the tokenizer would turn it into the special id
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from tracegym.render.base import Renderer, Segment, special, text
+from tracegym.render.base import Renderer, Segment, UntrustedToolOutput, special, text
 from tracegym.render.toolcalls import parse_assistant_text, serialize_assistant, tools_json_lines
 from tracegym.types import Message
 
@@ -80,9 +80,11 @@ def group_tool_runs(messages: Sequence[Message]) -> Iterator[tuple[int, list[Mes
         i = end
 
 
-def tool_responses(tool_messages: Sequence[Message]) -> str:
-    """The content of the user turn that carries tool results: each in ``<tool_response>`` tags."""
-    return "\n".join(f"{TOOL_RESPONSE_OPEN}\n{message.content}\n{TOOL_RESPONSE_CLOSE}" for message in tool_messages)
+def tool_responses(tool_messages: Sequence[Message], shown: Callable[[str], str] | None = None) -> str:
+    """The content of the user turn that carries tool results: each in ``<tool_response>`` tags.
+    ``shown`` maps a result's content to what the model sees (``Renderer.tool_content``)."""
+    show = shown or (lambda content: content)
+    return "\n".join(f"{TOOL_RESPONSE_OPEN}\n{show(m.content)}\n{TOOL_RESPONSE_CLOSE}" for m in tool_messages)
 
 
 class ChatMLRenderer(Renderer):
@@ -93,8 +95,8 @@ class ChatMLRenderer(Renderer):
     end_of_turn = IM_END
     stop_tokens = (IM_END, END_OF_TEXT)
 
-    def __init__(self, tokenizer: Any):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, *, untrusted_tool_output: UntrustedToolOutput = "none"):
+        super().__init__(tokenizer, untrusted_tool_output=untrusted_tool_output)
         self._read_tokenizer(required=(IM_START, IM_END), optional=(END_OF_TEXT,))
         self.im_start_id = self._special_ids[IM_START]
         self.im_end_id = self._special_ids[IM_END]

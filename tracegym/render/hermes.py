@@ -36,13 +36,13 @@ class HermesRenderer(ChatMLRenderer):
         segments: list[Segment] = []
         rest = list(messages)
         if start:
-            system, rest = split_system_message(rest, tools_block(tools) if tools else None)
+            system, rest = split_system_message(rest, self.with_untrusted_notice(tools_block(tools)) if tools else None)
             if system is not None:
                 segments += self._message_segments("system", system)
         for _, turn in group_tool_runs(rest):
             message = turn[0]
             if message.role == "tool":
-                segments += self._message_segments("user", tool_responses(turn))
+                segments += self._message_segments(self.tool_role("user"), tool_responses(turn, self.tool_content))
             elif message.role == "assistant":
                 segments += self._assistant_segments(self._assistant_text(message))
             else:

@@ -30,7 +30,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from tracegym.render.base import Renderer, Segment, special, split_system_message, text
+from tracegym.render.base import Renderer, Segment, UntrustedToolOutput, special, split_system_message, text
 from tracegym.render.toolcalls import call_error, check_call_object, snippet, tools_json_lines
 from tracegym.types import Message, ToolCall
 
@@ -61,8 +61,10 @@ def llama3_chat_template() -> str:
     return resources.files("tracegym.render").joinpath("templates/llama3.jinja").read_text(encoding="utf-8")
 
 
-def tools_block(tools: Sequence[dict]) -> str:
-    return TOOLS_HEAD + tools_json_lines(list(tools)) + TOOLS_TAIL
+def tools_block(tools: Sequence[dict], result_role: str = "ipython") -> str:
+    """The tools section of the system prompt; ``result_role`` names the role tool results come in."""
+    tail = TOOLS_TAIL if result_role == "ipython" else TOOLS_TAIL.replace("an ipython turn", f"an {result_role} turn")
+    return TOOLS_HEAD + tools_json_lines(list(tools)) + tail
 
 
 def call_line(call: ToolCall) -> str:
@@ -128,8 +130,11 @@ class Llama3Renderer(Renderer):
     end_of_turn = EOT
     stop_tokens = (EOT, EOM, END_OF_TEXT)
 
-    def __init__(self, tokenizer: Any):
-        super().__init__(tokenizer)
+    # Meta-SecAlign's role for untrusted data, so its models see tool results where they expect them.
+    untrusted_role = "input"
+
+    def __init__(self, tokenizer: Any, *, untrusted_tool_output: UntrustedToolOutput = "none"):
+        super().__init__(tokenizer, untrusted_tool_output=untrusted_tool_output)
         self._read_tokenizer(required=(BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT), optional=(END_OF_TEXT, EOM))
         self.eot_id = self._special_ids[EOT]
         self.bos_id = self._special_ids[BEGIN_OF_TEXT]
@@ -161,14 +166,15 @@ class Llama3Renderer(Renderer):
         if start:
             if rest or tools:
                 segments.append(special(BEGIN_OF_TEXT))
-            system, rest = split_system_message(rest, tools_block(tools) if tools else None)
+            tools_text = self.with_untrusted_notice(tools_block(tools, self.tool_role("ipython"))) if tools else None
+            system, rest = split_system_message(rest, tools_text)
             if system is not None:
                 segments += self._turn("system", system)
         for message in rest:
             if message.role == "assistant":  # the assistant header, then the body
                 segments += self._generation_prompt() + [Segment("body", self._assistant_text(message)), special(EOT)]
             elif message.role == "tool":
-                segments += self._turn("ipython", message.content)
+                segments += self._turn(self.tool_role("ipython"), self.tool_content(message.content))
             else:
                 segments += self._turn(message.role, message.content)
         return segments

@@ -41,7 +41,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tracegym.render.base import Segment, special, split_system_message, text
+from tracegym.render.base import Segment, UntrustedToolOutput, special, split_system_message, text
 from tracegym.render.chatml import (
     IM_END,
     IM_START,
@@ -149,8 +149,10 @@ class Qwen3Renderer(ChatMLRenderer):
     name = "qwen3"
     history_preserving = False
 
-    def __init__(self, tokenizer: Any, enable_thinking: bool = True):
-        super().__init__(tokenizer)
+    def __init__(
+        self, tokenizer: Any, enable_thinking: bool = True, *, untrusted_tool_output: UntrustedToolOutput = "none"
+    ):
+        super().__init__(tokenizer, untrusted_tool_output=untrusted_tool_output)
         self.enable_thinking = enable_thinking
         self._tools_wording = tools_wording_from_template(tokenizer)
         self._assistant_header_ids = self.encode_text("assistant\n")
@@ -189,7 +191,8 @@ class Qwen3Renderer(ChatMLRenderer):
         rest = list(messages)
         last_query = None  # continuing: earlier queries are not in view; see continue_prompt
         if start:
-            system, rest = split_system_message(rest, self._tools_block(tools) if tools else None)
+            tools_text = self.with_untrusted_notice(self._tools_block(tools)) if tools else None
+            system, rest = split_system_message(rest, tools_text)
             if system is not None:
                 segments += self._message_segments("system", system)
             # The template's last real user query (messages after it keep their reasoning).
@@ -197,7 +200,7 @@ class Qwen3Renderer(ChatMLRenderer):
         for i, turn in group_tool_runs(rest):
             message = turn[0]
             if message.role == "tool":
-                segments += self._message_segments("user", tool_responses(turn))
+                segments += self._message_segments(self.tool_role("user"), tool_responses(turn, self.tool_content))
             elif message.role == "assistant":
                 keep = start and (i > last_query if last_query is not None else False)
                 body = self.assistant_body(message, keep_reasoning=keep, last=start and i == len(rest) - 1)

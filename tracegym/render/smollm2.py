@@ -33,7 +33,7 @@ class SmolLM2Renderer(ChatMLRenderer):
             # gets none.
             return None if has_system or not messages else DEFAULT_SYSTEM_PROMPT
         base = messages[0].content if has_system else DEFAULT_SYSTEM_PROMPT
-        return f"{base}\n\n{tools_block(tools)}"
+        return f"{base}\n\n{self.with_untrusted_notice(tools_block(tools))}"
 
     def _layout(self, messages: Sequence[Message], tools: Sequence[dict] | None, start: bool) -> list[Segment]:
         segments: list[Segment] = []
@@ -47,6 +47,8 @@ class SmolLM2Renderer(ChatMLRenderer):
         for message in rest:
             if message.role == "assistant":
                 segments += self._assistant_segments(self._assistant_text(message))
+            elif message.role == "tool":
+                segments += self._message_segments(self.tool_role("tool"), self.tool_content(message.content))
             else:
                 segments += self._message_segments(message.role, message.content)
         return segments
