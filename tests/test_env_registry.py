@@ -15,7 +15,7 @@ from tracegym.environments.calculator import CalculatorEnv
 
 def test_builtins_are_listed_without_importing_them() -> None:
     names = list_envs()
-    for name in ("calculator", "frozenlake", "sokoban", "search", "service"):
+    for name in ("calculator", "code", "frozenlake", "sokoban", "search", "service", "terminal"):
         assert name in names
     assert names == sorted(names)
     assert BUILTIN_ENVS["search"] == "tracegym.environments.search:SearchEnv"
@@ -37,7 +37,7 @@ def test_unknown_name_lists_registered_envs() -> None:
         make("calculater")
     message = str(info.value)
     assert "unknown env 'calculater'; did you mean 'calculator'?" in message
-    assert "calculator, frozenlake" in message and "--plugin" in message
+    assert "calculator, code, frozenlake" in message and "--plugin" in message
     with pytest.raises(UnknownEnvError, match=r"unknown env 'zzz'; registered envs: calculator"):
         make("zzz")  # nothing near: no guess
 

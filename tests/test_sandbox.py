@@ -374,6 +374,24 @@ def test_host_process_killed_takes_its_sandboxes_with_it(base):
 
 
 @needs_bwrap
+def test_shell_session_survives_the_thread_that_started_it(sb):
+    # Tool calls run in short-lived threads; the shell must outlive each of them.
+    shell = sb.shell()
+    results: list = []
+    for command in ("cd /tmp && export SEEN=yes", "echo $SEEN $(pwd)"):
+        worker = threading.Thread(target=lambda c=command: results.append(shell.run(c)))
+        worker.start()
+        worker.join()
+    assert results[-1].stdout.split() == ["yes", "/tmp"] and shell.restarts == 0
+
+
+@needs_bwrap
+def test_awk_works_and_etc_holds_only_alternatives(sb):
+    result = sb.run(["bash", "-c", "echo 3 4 | awk '{print $1 * $2}'; ls /etc"])
+    assert result.stdout.split() == ["12", "alternatives"], result
+
+
+@needs_bwrap
 def test_shell_session_persists_and_recovers_from_a_hang(sb):
     shell = sb.shell()
     assert shell.run("mkdir -p a/b && cd a/b && export COLOR=teal").ok

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tracegym.envs.base import Task
-from tracegym.envs.tasks import distinct_tasks
+from tracegym.envs.tasks import distinct_tasks, parse_int_range
 from tracegym.envs.tools import ToolEnv, tool
 from tracegym.types import Message, ToolCall
 
@@ -247,26 +247,6 @@ def generate_problem(rng: random.Random, num_calls: int) -> dict[str, Any]:
     }
 
 
-def _parse_range(num_calls: int | Sequence[int] | str) -> tuple[int, int]:
-    if isinstance(num_calls, bool):
-        raise ValueError(f"num_calls must be an int or a range, got {num_calls!r}")
-    if isinstance(num_calls, int):
-        low = high = num_calls
-    elif isinstance(num_calls, str):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:(?:\.\.|-|:)\s*(\d+))?\s*", num_calls)
-        if not m:
-            raise ValueError(f"num_calls must look like '3' or '2..4', got {num_calls!r}")
-        low, high = int(m.group(1)), int(m.group(2) or m.group(1))
-    else:
-        values = list(num_calls)
-        if len(values) != 2 or not all(isinstance(v, int) for v in values):
-            raise ValueError(f"num_calls range must be two ints (min, max), got {num_calls!r}")
-        low, high = values
-    if not 1 <= low <= high <= 12:
-        raise ValueError(f"num_calls must satisfy 1 <= min <= max <= 12, got {low}..{high}")
-    return low, high
-
-
 SYSTEM_PROMPT = (
     "You solve arithmetic word problems. You have a calculator tool, `calculate`, that evaluates an "
     "expression such as (37 * 24) - 129. Work step by step: make one calculator call per operation "
@@ -287,7 +267,7 @@ class CalculatorEnv(ToolEnv):
         self, num_calls: int | Sequence[int] | str = (1, 4), max_turns: int | None = None, test_fraction: float = 0.2,
         max_tool_output_chars: int | None = None,
     ) -> None:
-        self.min_calls, self.max_calls = _parse_range(num_calls)
+        self.min_calls, self.max_calls = parse_int_range(num_calls, "num_calls", 1, 12)
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.test_fraction = test_fraction

@@ -52,10 +52,12 @@ Factory = Union[Callable[..., Env], str]
 # Built-ins by "module:attribute"; nothing is imported until an env is made.
 BUILTIN_ENVS: dict[str, str] = {
     "calculator": "tracegym.environments.calculator:CalculatorEnv",
+    "code": "tracegym.environments.code:CodeEnv",
     "frozenlake": "tracegym.environments.gridworld:FrozenLakeEnv",
     "sokoban": "tracegym.environments.gridworld:SokobanEnv",
     "search": "tracegym.environments.search:SearchEnv",
     "service": "tracegym.environments.service:ServiceEnv",
+    "terminal": "tracegym.environments.terminal:TerminalEnv",
 }
 
 _registered: dict[str, Factory] = {}

@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
@@ -268,6 +269,9 @@ def _bwrap_flags(workdir: str, limits: SandboxLimits, seccomp_fd: int | None) ->
         "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
         "--clearenv", "--cap-drop", "ALL", "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", *_system_links(),
+        # Debian's /usr/bin/awk, nawk, lzma... are links through /etc/alternatives; the rest of /etc
+        # (passwd, hosts, ssl keys) stays out.
+        "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
         "--proc", "/proc", "--dev", "/dev",
         "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp",
         "--bind", workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR,
@@ -503,12 +507,15 @@ class Sandbox:
         env = dict(_CLEAN_ENV, HOME=str(self.workdir) if self.isolation == "unsafe_local" else SANDBOX_WORKDIR)
         identity = {"user": self._uid, "group": self._uid, "extra_groups": []} if self._uid is not None else {}
         try:
-            return subprocess.Popen(
-                self._command(argv, seccomp_fd),
+            # Started from one long-lived thread: bwrap's --die-with-parent (PR_SET_PDEATHSIG) fires
+            # when the *thread* that forked it exits, and tool calls run in short-lived threads, which
+            # would take a persistent shell down with them after every call.
+            return _spawner().submit(
+                subprocess.Popen, self._command(argv, seccomp_fd),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                 cwd=self.workdir, env=env, start_new_session=True, pass_fds=pass_fds, close_fds=True, **identity,
-            )
+            ).result()
         finally:
             if seccomp_fd is not None:
                 os.close(seccomp_fd)
@@ -624,6 +631,13 @@ class Sandbox:
             self.close()
         except Exception:
             pass
+
+
+@functools.lru_cache(maxsize=1)
+def _spawner() -> ThreadPoolExecutor:
+    """The process-wide thread every sandbox process is started from (it lives as long as the
+    process, so the parent-death signal only fires when the host process dies)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracegym-sandbox-spawner")
 
 
 def _feed(pipe, data: bytes) -> None:

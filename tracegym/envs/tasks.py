@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Sequence
 
 from tracegym.envs.base import Task
 
-__all__ = ["content_split", "distinct_tasks"]
+__all__ = ["content_split", "distinct_tasks", "parse_int_range"]
 
 
 def content_split(content: str, test_fraction: float) -> tuple[str, str]:
@@ -44,3 +45,25 @@ def distinct_tasks(
         task_id = f"{id_prefix}-{digest}"
         found.setdefault(task_id, Task(id=task_id, split=split, data=data))
     return list(found.values())
+
+
+def parse_int_range(value: int | Sequence[int] | str, what: str, low: int, high: int) -> tuple[int, int]:
+    """A difficulty option as (min, max) within ``low..high``: ``3``, ``[1, 2]``, ``"1..2"``
+    (also ``"1-2"``, ``"1:2"``). ValueError naming ``what`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int or a range, got {value!r}")
+    if isinstance(value, int):
+        first = last = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:(?:\.\.|-|:)\s*(\d+))?\s*", value)
+        if not m:
+            raise ValueError(f"{what} must look like '{low}' or '{low}..{high}', got {value!r}")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+    else:
+        values = list(value)
+        if len(values) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{what} range must be two ints (min, max), got {value!r}")
+        first, last = values
+    if not low <= first <= last <= high:
+        raise ValueError(f"{what} must satisfy {low} <= min <= max <= {high}, got {first}..{last}")
+    return first, last
