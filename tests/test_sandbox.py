@@ -409,3 +409,18 @@ def test_shell_session_persists_and_recovers_from_a_hang(sb):
     assert broken.returncode == 2 and "unexpected EOF" in broken.stdout
     assert shell.run("exit 7").killed == "shell_exited"
     assert shell.run("echo again").stdout == "again\n"
+
+
+@needs_bwrap
+def test_disk_watchdog_holds_the_quota_where_no_tmpfs_can_be_mounted(monkeypatch, base):
+    # A normal user (or a container without CAP_SYS_ADMIN) gets no tmpfs: the watchdog must hold.
+    monkeypatch.setattr(sandbox_module, "_mount_tmpfs", lambda *args: False)
+    fill = "for i in $(seq 2000); do head -c 1000000 /dev/zero > f$i; done; sleep 30"
+    with Sandbox(SandboxLimits(disk_mb=4, fsize_mb=2, wall_s=20), base_dir=base) as box:
+        assert not box._mounted
+        result = box.run(["bash", "-c", fill])
+        assert result.killed == "disk_limit" and result.wall_s < 10, result
+        box.reset_files()
+        shell = box.shell()
+        in_shell = shell.run(fill)
+        assert in_shell.killed == "disk_limit" and in_shell.wall_s < 10, in_shell

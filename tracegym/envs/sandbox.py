@@ -810,6 +810,9 @@ class ShellSession:
                     if remaining <= 0:
                         killed, output = "wall_time", bytes(self._buffer)
                         break
+                    if not self.sandbox._mounted and _disk_usage(str(self.sandbox.workdir)) > limits.disk_mb * 2**20:
+                        killed, output = "disk_limit", bytes(self._buffer)
+                        break
                     self._cond.wait(timeout=min(remaining, 0.25))
             if killed is not None:
                 self._stop()
@@ -834,9 +837,5 @@ class ShellSession:
 
     def close(self) -> None:
         """End the session, killing every process it started."""
-        with self._cond:
-            proc, self._proc = self._proc, None
-        if proc is not None:
-            self._proc = proc
-            self._stop()
-            self._proc = None
+        self._stop()
+        self._proc = None
