@@ -160,6 +160,81 @@ def test_n_and_seed_are_reproducible_and_match_the_engine(server, client):
     assert ids(a) == [list(g.token_ids) for g in direct]
 
 
+def test_vllm_token_id_extensions_on_chat(server, client):
+    _, engine, renderer, _ = server
+    extensions = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    reply = client.chat.completions.create(model="tiny-random", messages=HI, temperature=0.8, seed=3, max_tokens=8,
+                                           logprobs=True, top_logprobs=2, extra_body=extensions)
+    [direct], prompt = _direct(engine, renderer, HI, temperature=0.8, seed=3, max_tokens=8)
+    content = reply.choices[0].logprobs.content
+    # vLLM's format: each token reads token_id:<id>, alternatives too; the prompt ids come back
+    assert [e.token for e in content] == [f"token_id:{t}" for t in direct.token_ids]
+    assert all(t.token == f"token_id:{t.model_extra['token_id']}" for e in content for t in e.top_logprobs)
+    assert [e.logprob for e in content] == pytest.approx(list(direct.logprobs), abs=1e-6)
+    assert reply.model_extra["prompt_token_ids"] == prompt
+    chunks = list(client.chat.completions.create(model="tiny-random", messages=HI, max_tokens=3, stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
+    plain = client.chat.completions.create(model="tiny-random", messages=HI, max_tokens=3, logprobs=True)
+    assert "prompt_token_ids" not in plain.model_extra and not plain.choices[0].logprobs.content[0].token.startswith("token_id:")
+
+
+def test_completions_take_token_ids_and_match_the_engine(server, client, tiny):
+    _, engine, renderer, _ = server
+    tokenizer = tiny[1]
+    prompt = renderer.render_prompt([Message(**m) for m in HI])
+    kw = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=10)
+    reply = client.completions.create(model="tiny-random", prompt=prompt, logprobs=0, n=2,
+                                      extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}, **kw)
+    direct = engine.generate([prompt], SamplingParams(stop_token_ids=tuple(renderer.stop_token_ids), n=2, **kw))[0]
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice, gen in zip(reply.choices, direct):
+        assert choice.logprobs.tokens == [f"token_id:{t}" for t in gen.token_ids]
+        assert choice.logprobs.token_logprobs == pytest.approx(list(gen.logprobs), abs=1e-6)
+        assert choice.model_extra["token_ids"] == list(gen.token_ids)
+        assert choice.model_extra["prompt_token_ids"] == prompt
+        visible = [t for t in gen.token_ids if t not in renderer.stop_token_ids]
+        assert choice.text == tokenizer.decode(visible)
+        assert choice.finish_reason == ("length" if gen.finish_reason == "length" else "stop")
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == sum(len(g.token_ids) for g in direct)
+    # a text prompt is tokenized; top alternatives come in the legacy shape
+    text = client.completions.create(model="tiny-random", prompt="Hello", max_tokens=4, temperature=0.0, logprobs=2)
+    [greedy] = engine.generate([tokenizer("Hello", add_special_tokens=False)["input_ids"]],
+                               SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=tuple(renderer.stop_token_ids)))[0]
+    assert text.choices[0].model_extra["token_ids"] == list(greedy.token_ids)
+    assert all(len(top) >= 2 for top in text.choices[0].logprobs.top_logprobs)
+    assert "prompt_token_ids" not in text.choices[0].model_extra
+    cases = [
+        (dict(prompt=[[1, 2], [3]]), "prompt", "one prompt"),
+        (dict(prompt=[1, 10**7]), "prompt", "token ids"),
+        (dict(prompt=[]), "prompt", "token ids"),
+        (dict(prompt=[1, 2], stream=True), "stream", "not supported"),
+        (dict(prompt=[1, 2], echo=True), "echo", "not supported"),
+        (dict(prompt=[1, 2], logprobs=9), "logprobs", "0..5"),
+        (dict(prompt=[1, 2], extra_body={"best_of": 2}), "best_of", "Unrecognized"),
+        (dict(prompt=[1, 2], max_tokens=10**6), "max_tokens", "context"),
+    ]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny-random", **kwargs)
+        err = info.value.body
+        assert err["param"] == param and words in err["message"], (kwargs, err)
+
+
+def test_completions_stop_on_the_requests_stop_token_ids(server, client):
+    _, engine, renderer, _ = server
+    prompt = renderer.render_prompt([Message(**m) for m in HI])
+    kw = dict(temperature=1.0, seed=4, max_tokens=12)
+    free = client.completions.create(model="tiny-random", prompt=prompt, **kw).choices[0].model_extra["token_ids"]
+    assert len(free) >= 3
+    stop = free[2]
+    cut = client.completions.create(model="tiny-random", prompt=prompt, extra_body={"stop_token_ids": [stop]}, **kw)
+    ids = cut.choices[0].model_extra["token_ids"]
+    assert ids == free[: free.index(stop) + 1] and cut.choices[0].finish_reason == "stop"
+
+
 def test_errors_are_openai_shaped(server, client):
     srv = server[0]
     with pytest.raises(openai.NotFoundError) as info:

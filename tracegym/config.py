@@ -463,6 +463,42 @@ class RLEvalConfig(_Section):
     """Also evaluate the initial policy before the first step (the baseline of the curve)."""
 
 
+class ExecutorConfig(_Section):
+    """Where rollouts run relative to the update (docs/scale.md). ``local``: in the trainer's process
+    and thread, one after the other (the default; exact resume). ``threads``: a rollout thread with its
+    own copy of the policy samples the next batches while the trainer updates. ``ray``: Ray actors
+    (``rollout_workers`` of them, each with its own engine and envs) sample; the trainer publishes
+    weights to a versioned parameter store. Every trajectory records the policy version that sampled
+    it; a batch more than ``max_staleness`` versions behind the trainer is dropped (counted)."""
+
+    kind: Literal["local", "threads", "ray"] = "local"
+    """``local``, ``threads`` or ``ray``."""
+
+    max_staleness: int = Field(1, ge=0)
+    """Versions a batch may lag the trainer (0: sampled by the weights being updated, i.e. synchronous;
+    1: one batch sampled while the previous one trains). Ignored by ``local`` (always 0)."""
+
+    rollout_workers: int = Field(2, gt=0)
+    """``ray``: rollout actors (each one CPU, or the share ``worker_cpus`` says)."""
+
+    worker_cpus: float = Field(1.0, gt=0)
+    """``ray``: CPUs reserved per rollout actor; its torch/OpenMP threads are set from it (two
+    unpinned torch processes on 2 cores were measured to slow each other 10-20x)."""
+
+    trainer_threads: int | None = Field(None, gt=0)
+    """Torch threads of the trainer (None: the CPUs not given to rollout workers or the rollout thread)."""
+
+    ray_address: str | None = None
+    """``ray``: an existing cluster to connect to (``ray.init(address=...)``); None starts a local one."""
+
+    batch_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for a batch of rollouts: a worker slower than this (a straggler) is restarted and
+    its batch sampled again elsewhere; the trainer never waits forever."""
+
+    max_worker_restarts: int = Field(3, ge=0)
+    """``ray``: restarts of dead or stalled rollout actors before the run fails."""
+
+
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
 
@@ -499,11 +535,12 @@ class RLConfig(_Section):
 
     policy_loss: dict[str, Any] = Field(default_factory=dict)
     """The policy loss, validated by ``tracegym.algos.config.PolicyLossConfig`` before anything loads:
-    the common keys ``loss`` (ppo_clip, gspo, policy_gradient or a plugin's), ``aggregation``
+    the common keys ``loss`` (ppo_clip, gspo, policy_gradient, decoupled_ppo or a plugin's), ``aggregation``
     (token_mean, sequence_mean, sequence_sum, fixed_length_sum), ``fixed_length``, ``kl_coef`` (KL to
     the reference policy; 0 skips the reference model), ``kl_estimator``, ``kl_penalty``,
     ``entropy_coef``, ``tis_cap``, ``log_ratio_limit``, plus the chosen loss's own options (ppo_clip:
-    ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``, ``entropy_clip*``; gspo: clip ranges)."""
+    ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``, ``entropy_clip*``; gspo: clip ranges;
+    decoupled_ppo: ppo_clip's and ``behav_weight_cap``, ``behav_weight_mode``)."""
 
     preset: Literal["grpo", "dr_grpo", "dapo", "gspo"] | None = None
     """Named method whose settings differ from the defaults; keys you set yourself win over it.
@@ -550,6 +587,10 @@ class RLConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics sinks and the progress bar."""
 
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    """Where rollouts run: in the trainer's loop (``local``), a rollout thread or Ray actors, with
+    bounded staleness (docs/scale.md)."""
+
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
@@ -562,6 +603,15 @@ class RLConfig(_Section):
     def _check(self) -> "RLConfig":
         if self.model.adapter and not self.lora.enabled:
             raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
+        if self.executor.kind != "local":
+            # These steps sample from the policy inside the trainer's step; a remote or concurrent
+            # sampler cannot serve them there.
+            if self.resample_rounds:
+                raise ValueError(f"resample_rounds needs executor.kind: local (got {self.executor.kind})")
+            if self.rollout.strategy != "chains" or self.advantage.intrinsic == "mc_continuation":
+                raise ValueError(f"tree rollouts and mc_continuation need executor.kind: local (got {self.executor.kind})")
+            if self.rollout.engine != "hf":
+                raise ValueError(f"executor.kind {self.executor.kind} builds an hf engine per worker; rollout.engine must be hf")
         return self
 
 

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible chat-completions server: ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``.
+"""An OpenAI-compatible server: ``POST /v1/chat/completions``, ``POST /v1/completions`` (token-id
+prompts: token in, token out), ``GET /v1/models``, ``GET /health``.
 
     tracegym serve smollm2-135m --port 8000            # binds 127.0.0.1 unless --host says otherwise
     TRACEGYM_API_KEY=sk-local tracegym serve smollm2-135m   # then every /v1 request needs the key
@@ -27,7 +27,10 @@ What is supported, and what is refused with a 400 rather than silently ignored:
   any other field: 400 naming the parameter (this server does not constrain decoding).
 
 Extensions: every choice carries ``token_ids`` (the sampled ids, end-of-turn token included) and
-every log-prob entry its ``token_id``; ``logprobs.content`` has one entry per sampled token.
+every log-prob entry its ``token_id``; ``logprobs.content`` has one entry per sampled token. vLLM's
+request extensions are understood as vLLM does: ``return_tokens_as_token_ids`` (log-prob tokens read
+``token_id:123``) and ``return_token_ids`` (the reply carries ``prompt_token_ids``), and on
+``/v1/completions`` ``stop_token_ids`` (more ids that end the completion).
 
 Errors are OpenAI-shaped everywhere: ``{"error": {"message", "type", "param", "code"}}`` (404
 ``model_not_found``, 400 for bad or unsupported parameters and for ``max_tokens`` beyond the
@@ -72,7 +75,16 @@ _SUPPORTED = frozenset({
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format", "stream",
     "stream_options", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens", "stop", "seed",
     "logprobs", "top_logprobs", "logit_bias", "frequency_penalty", "presence_penalty", "user", "metadata", "store",
+    # vLLM's extensions for token ids (what an RL client asks for; see docs/serve.md)
+    "return_tokens_as_token_ids", "return_token_ids",
 })
+# ``POST /v1/completions``: one prompt (token ids or text), no streaming
+_COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "user",
+    "stream", "echo", "stop_token_ids", "return_tokens_as_token_ids", "return_token_ids",
+})
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on ``logprobs``
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's token text under ``return_tokens_as_token_ids``
 _UNSUPPORTED = {
     "functions": "use 'tools'", "function_call": "use 'tool_choice'", "audio": "audio output is not supported",
     "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
@@ -134,6 +146,9 @@ class _Plan:
     top_logprobs: int
     stop_after: tuple[str, ...]
     logit_bias: dict[int, float]
+    token_id_text: bool = False  # return_tokens_as_token_ids: log-prob tokens read ``token_id:123``
+    return_token_ids: bool = False  # return_token_ids: the reply carries ``prompt_token_ids``
+    stop_ids: frozenset[int] = frozenset()  # the request's own stop ids (completions' stop_token_ids)
 
 
 class _Decoder:
@@ -469,22 +484,7 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
                 raise _unsupported("stream_options supports only 'include_usage'", "stream_options")
             include_usage = bool(stream_options.get("include_usage"))
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p <= 0.0:
-            raise _bad("top_p must be in (0, 1]", "top_p")
-        n = _integer(body, "n", 1)
-        if not 1 <= n <= max_n:
-            raise _bad(f"n must be in 1..{max_n} on this server, got {n}", "n")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise _bad("'seed' must be an integer", "seed")
-        stop = body.get("stop")
-        stops: tuple[str, ...] = ()
-        if stop is not None:
-            stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else (None,)  # type: ignore[assignment]
-            if not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
-                raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} such strings", "stop")
+        temperature, top_p, n, seed, stops = sampling_fields(body)
         logprobs = _boolean(body, "logprobs", False)
         top_logprobs = _integer(body, "top_logprobs", 0)
         if body.get("top_logprobs") is not None:
@@ -514,12 +514,43 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
                 logit_bias[token] = float(value)
         tools_mode = tools is not None and tool_choice != "none"
         prompt = renderer.render_prompt(messages, tools if tools_mode else None)
-        # lengths: the prompt, the completion budget, the context
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = completion_budget(body, key, prompt, "messages")
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
+                                stop=stops, stop_token_ids=tuple(sorted(stop_ids)))
+        stop_after = (TOOL_CALL_CLOSE,) if tools_mode and parallel is False else ()
+        return _Plan(prompt=prompt, params=params, tools_mode=tools_mode, stream=stream, include_usage=include_usage,
+                     logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0, stop_after=stop_after,
+                     logit_bias=logit_bias, token_id_text=_boolean(body, "return_tokens_as_token_ids", False),
+                     return_token_ids=_boolean(body, "return_token_ids", False))
+
+    def sampling_fields(body: dict[str, Any]) -> tuple[float, float, int, int | None, tuple[str, ...]]:
+        """``temperature``, ``top_p``, ``n``, ``seed`` and ``stop`` of a request, checked."""
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p <= 0.0:
+            raise _bad("top_p must be in (0, 1]", "top_p")
+        n = _integer(body, "n", 1)
+        if not 1 <= n <= max_n:
+            raise _bad(f"n must be in 1..{max_n} on this server, got {n}", "n")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise _bad("'seed' must be an integer", "seed")
+        stop = body.get("stop")
+        stops: tuple[str, ...] = ()
+        if stop is not None:
+            stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else (None,)  # type: ignore[assignment]
+            if not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
+                raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} such strings", "stop")
+        return temperature, top_p, n, seed, stops
+
+    def completion_budget(body: dict[str, Any], key: str, prompt: list[int], prompt_param: str) -> int:
+        """The completion's token budget: ``body[key]`` checked against the limits and the context
+        left after ``prompt``, or (when absent) what is left of the context."""
         asked = body.get(key)
         if max_context is not None and len(prompt) >= max_context:
             raise _bad(f"the prompt has {len(prompt)} tokens; the context window is {max_context} tokens",
-                       "messages", "context_length_exceeded")
+                       prompt_param, "context_length_exceeded")
         room = None if max_context is None else max_context - len(prompt)
         if asked is not None:
             max_tokens = _integer(body, key, 0)
@@ -531,25 +562,64 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
                 raise _bad(
                     f"the context window is {max_context} tokens; the prompt has {len(prompt)} and {key} asks for "
                     f"{max_tokens} more ({len(prompt) + max_tokens} in all): lower {key}", key, "context_length_exceeded")
-        else:
-            candidates = [v for v in (default_max_tokens, room, limits.max_tokens) if v is not None]
-            max_tokens = min(candidates) if candidates else 256
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
-                                stop=stops, stop_token_ids=tuple(sorted(stop_ids)))
-        stop_after = (TOOL_CALL_CLOSE,) if tools_mode and parallel is False else ()
-        return _Plan(prompt=prompt, params=params, tools_mode=tools_mode, stream=stream, include_usage=include_usage,
-                     logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0, stop_after=stop_after,
-                     logit_bias=logit_bias)
+            return max_tokens
+        candidates = [v for v in (default_max_tokens, room, limits.max_tokens) if v is not None]
+        return min(candidates) if candidates else 256
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    def _token_ids(value: Any, param: str) -> list[int]:
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value)):
+            raise _bad(f"'{param}' must be a non-empty list of token ids in 0..{vocab_size - 1}", param)
+        return list(value)
+
+    def plan_completion(body: dict[str, Any]) -> _Plan:
+        """A ``/v1/completions`` request: one prompt, token ids (used as they are: token in, token
+        out) or text (tokenized without special tokens)."""
+        for key in body:
+            if key not in _COMPLETION_FIELDS:
+                raise _bad(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+        if _boolean(body, "stream", False):
+            raise _unsupported("stream is not supported on /v1/completions (use /v1/chat/completions)", "stream")
+        if _boolean(body, "echo", False):
+            raise _unsupported("echo is not supported", "echo")
+        raw = body.get("prompt")
+        if isinstance(raw, str) and raw:
+            prompt = list(tokenizer(raw, add_special_tokens=False)["input_ids"])
+        elif isinstance(raw, list) and raw and all(isinstance(t, list) for t in raw):
+            raise _unsupported("one prompt per request on this server", "prompt")
+        else:
+            prompt = _token_ids(raw, "prompt")
+        temperature, top_p, n, seed, stops = sampling_fields(body)
+        logprobs = body.get("logprobs")
+        if logprobs is not None:
+            logprobs = _integer(body, "logprobs", 0)
+            if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+                raise _bad(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}", "logprobs")
+            if not backend.returns_logprobs:
+                raise _unsupported("this engine does not return log-probs", "logprobs")
+            if logprobs and not backend.top_logprobs:
+                raise _unsupported("this engine does not return top log-probs", "logprobs")
+        extra_stops = frozenset(_token_ids(body["stop_token_ids"], "stop_token_ids")) if body.get("stop_token_ids") else frozenset()
+        max_tokens = completion_budget(body, "max_tokens", prompt, "prompt")
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
+                                stop=stops, stop_token_ids=tuple(sorted(stop_ids | extra_stops)))
+        return _Plan(prompt=prompt, params=params, tools_mode=False, stream=False, include_usage=False,
+                     logprobs=logprobs is not None, top_logprobs=logprobs or 0, stop_after=(), logit_bias={},
+                     token_id_text=_boolean(body, "return_tokens_as_token_ids", False),
+                     return_token_ids=_boolean(body, "return_token_ids", False), stop_ids=extra_stops)
+
+    async def read_body(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except ValueError:
             raise _bad("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
-        plan = plan_request(body)
+        return body
+
+    def start(plan: _Plan, body: dict[str, Any]) -> tuple[list[_Choice], asyncio.Queue, _Handle]:
+        """Check the model and the queue, then hand ``plan`` to the backend; its tokens arrive as
+        events on the returned queue."""
         model = body.get("model")
         if model is not None and model != model_name:
             raise _model_not_found(str(model))
@@ -559,7 +629,8 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         n = plan.params.n
-        decoders = [_Decoder(tokenizer, stop_ids, plan.params.stop, plan.stop_after, plan.stream) for _ in range(n)]
+        stops = stop_ids | plan.stop_ids
+        decoders = [_Decoder(tokenizer, stops, plan.params.stop, plan.stop_after, plan.stream) for _ in range(n)]
 
         def on_token(row: int, token: int, logprob: float, top: Any) -> bool:
             decoder = decoders[row]
@@ -571,18 +642,15 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             loop.call_soon_threadsafe(events.put_nowait, ("finish", row, reason))
 
         try:
-            handle = backend.submit(plan, stop_ids, on_token, on_finish)
+            handle = backend.submit(plan, stops, on_token, on_finish)
         except ValueError as exc:
             raise _bad(str(exc)) from None
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = [_Choice(i) for i in range(n)]
-        if plan.stream:
-            return StreamingResponse(
-                _stream(plan, choices, events, handle, completion_id),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-            )
+        return [_Choice(i) for i in range(n)], events, handle
+
+    async def finish_all(request: Request, choices: list[_Choice], events: asyncio.Queue, handle: _Handle) -> JSONResponse | None:
+        """Wait until every choice finished; a 499 response when the client went away first."""
         finished = 0
-        while finished < n:
+        while finished < len(choices):
             try:
                 event = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
@@ -593,6 +661,27 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             finished += _apply(choices, event)
         if any(c.finish == "abort" for c in choices):
             raise APIError(500, "generation failed (see the server log)", type="server_error")
+        return None
+
+    def usage_of(plan: _Plan, choices: list[_Choice]) -> dict[str, int]:
+        completion_tokens = sum(len(c.tokens) for c in choices)
+        return {"prompt_tokens": len(plan.prompt), "completion_tokens": completion_tokens,
+                "total_tokens": len(plan.prompt) + completion_tokens}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        plan = plan_request(body)
+        choices, events, handle = start(plan, body)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if plan.stream:
+            return StreamingResponse(
+                _stream(plan, choices, events, handle, completion_id),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            )
+        gone = await finish_all(request, choices, events, handle)
+        if gone is not None:
+            return gone
         out = []
         for choice in choices:
             message, finish, errors = _final_message(plan, choice)
@@ -605,13 +694,35 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
                 if plan.logprobs else None,
                 "token_ids": list(choice.tokens),
             })
-        completion_tokens = sum(len(c.tokens) for c in choices)
-        return {
+        reply: dict[str, Any] = {
             "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-            "system_fingerprint": None, "choices": out,
-            "usage": {"prompt_tokens": len(plan.prompt), "completion_tokens": completion_tokens,
-                      "total_tokens": len(plan.prompt) + completion_tokens},
+            "system_fingerprint": None, "choices": out, "usage": usage_of(plan, choices),
         }
+        if plan.return_token_ids:
+            reply["prompt_token_ids"] = list(plan.prompt)
+        return reply
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        plan = plan_completion(body)
+        choices, events, handle = start(plan, body)
+        gone = await finish_all(request, choices, events, handle)
+        if gone is not None:
+            return gone
+        out = []
+        for choice in choices:
+            item: dict[str, Any] = {
+                "index": choice.index, "text": _completion_text(plan, choice),
+                "logprobs": _completion_logprobs(plan, choice) if plan.logprobs else None,
+                "finish_reason": "length" if choice.finish == "length" else "stop",
+                "token_ids": list(choice.tokens),
+            }
+            if plan.return_token_ids:
+                item["prompt_token_ids"] = list(plan.prompt)
+            out.append(item)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "system_fingerprint": None, "choices": out, "usage": usage_of(plan, choices)}
 
     # -- helpers that need the renderer ---------------------------------------------------------------
     def _apply(choices: list[_Choice], event: tuple) -> int:
@@ -658,15 +769,46 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             wire["tool_calls"] = calls
         return wire, finish, errors
 
+    def _shown(plan: _Plan, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes in a log-prob entry; vLLM's ``token_id:123`` placeholder under
+        ``return_tokens_as_token_ids`` (its bytes stay the token's own)."""
+        text, raw = token_text(token)
+        return (f"{TOKEN_ID_PREFIX}{token}" if plan.token_id_text else text), raw
+
     def _lp_entry(choice: _Choice, k: int, plan: _Plan) -> dict[str, Any]:
         token = choice.tokens[k]
-        text, raw = token_text(token)
+        text, raw = _shown(plan, token)
         entry: dict[str, Any] = {"token": text, "logprob": _finite(choice.logprobs[k]), "bytes": raw, "token_id": token,
                                  "top_logprobs": []}
         for alt, lp in choice.tops[k] or ():
-            alt_text, alt_raw = token_text(alt)
+            alt_text, alt_raw = _shown(plan, alt)
             entry["top_logprobs"].append({"token": alt_text, "logprob": _finite(lp), "bytes": alt_raw, "token_id": alt})
         return entry
+
+    def _completion_text(plan: _Plan, choice: _Choice) -> str:
+        """The completion's text: up to a stop string, stop tokens left out (as vLLM's
+        ``skip_special_tokens`` leaves out the end-of-turn token)."""
+        if choice.cut_text is not None:
+            return choice.cut_text
+        stops = stop_ids | plan.stop_ids
+        return tokenizer.decode([t for t in choice.tokens if t not in stops], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+
+    def _completion_logprobs(plan: _Plan, choice: _Choice) -> dict[str, Any]:
+        """The legacy completions shape: one entry per sampled token (stop tokens included)."""
+        tokens, offsets, tops = [], [], []
+        offset = 0
+        for k, token in enumerate(choice.tokens):
+            text, _ = _shown(plan, token)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(token_text(token)[0])
+            top = {text: _finite(choice.logprobs[k])}
+            for alt, lp in choice.tops[k] or ():
+                top.setdefault(_shown(plan, alt)[0], _finite(lp))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in choice.logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
 
     def _stream_content(plan: _Plan, choice: _Choice, final: bool) -> str:
         """The content that can be sent now without ever being taken back."""
@@ -686,11 +828,14 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
         candidate = text[:max(end, 0)].strip()
         return candidate if candidate.startswith(choice.sent) else choice.sent
 
-    def _chunk(completion_id: str, choice_items: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
+    def _chunk(completion_id: str, choice_items: list[dict[str, Any]], usage: Any = None, with_usage: bool = False,
+               prompt_ids: list[int] | None = None) -> str:
         payload: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
                                    "model": model_name, "system_fingerprint": None, "choices": choice_items}
         if with_usage:
             payload["usage"] = usage
+        if prompt_ids is not None:  # return_token_ids: on the first chunk only, as vLLM sends it
+            payload["prompt_token_ids"] = list(prompt_ids)
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     async def _stream(plan: _Plan, choices: list[_Choice], events: asyncio.Queue, handle: _Handle,
@@ -710,7 +855,8 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
 
         try:
             for choice in choices:
-                yield _chunk(completion_id, [item(choice, {"role": "assistant", "content": ""})], None, usage_flag)
+                yield _chunk(completion_id, [item(choice, {"role": "assistant", "content": ""})], None, usage_flag,
+                             prompt_ids=plan.prompt if plan.return_token_ids and choice.index == 0 else None)
             while finished < n:
                 event = await events.get()
                 done = _apply(choices, event)

@@ -10,8 +10,10 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
 - Policy losses: ``fn(inputs: LossInputs, opts) -> (per_token_loss [B, T], metrics)`` on
   target-aligned tensors (unmasked, unweighted, not aggregated), registered with their options
   model: ``POLICY_LOSSES.register(name, options=Model)``; built in: ``ppo_clip``, ``gspo``,
-  ``policy_gradient``. The recipe calls ``compute_policy_loss(batch_part, logprobs, entropy,
-  PolicyLossConfig)``, which applies mask, TIS weights, aggregation, KL and entropy once.
+  ``policy_gradient``, ``decoupled_ppo`` (AReaL, for stale asynchronous batches: PPO-clip against the
+  trainer's start-of-step policy times ``pi_prox / pi_behav``). The recipe calls
+  ``compute_policy_loss(batch_part, logprobs, entropy, PolicyLossConfig)``, which applies mask, TIS
+  weights, aggregation, KL and entropy once.
 - Preference losses: ``fn(inputs: PairLogps | LabelledLogps, opts) -> (per_item_loss, metrics)`` on
   sequence log-probs of whole trajectories, registered in ``PREFERENCE_LOSSES``: ``dpo``, ``dmpo``
   (per-turn discount weights ``dmpo_turn_weights``), ``kto`` (labelled single trajectories).
@@ -29,7 +31,7 @@ from torch import Tensor
 
 # importing each module registers it
 from tracegym.algos import dmpo, dpo, kto  # noqa: F401  (preference losses)
-from tracegym.algos import dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
+from tracegym.algos import decoupled_ppo, dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
 from tracegym.algos.advantages import (
     EstimatorResult,
     TurnAdvantages,
@@ -47,6 +49,7 @@ from tracegym.algos.rloo import rloo_advantages
 from tracegym.algos.aggregation import AGGREGATIONS, LossNormalizers, aggregate, masked_mean
 from tracegym.algos.compose import PolicyLossBatch, compute_policy_loss
 from tracegym.algos.config import PolicyLossConfig, policy_loss_problems
+from tracegym.algos.decoupled_ppo import DecoupledPPOOptions, behaviour_weights
 from tracegym.algos.entropy_clip import entropy_clip_scale
 from tracegym.algos.gspo import GSPOOptions
 from tracegym.algos.kl import KL_ESTIMATORS, kl_penalized_advantages, kl_penalized_rewards, kl_per_token
@@ -71,6 +74,7 @@ from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advan
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DMPOOptions",
+    "DecoupledPPOOptions",
     "DPOOptions",
     "KTOOptions",
     "LabelledLogps",
@@ -94,6 +98,7 @@ __all__ = [
     "PolicyLossConfig",
     "Registry",
     "aggregate",
+    "behaviour_weights",
     "EstimatorResult",
     "TurnAdvantages",
     "compute_advantages",

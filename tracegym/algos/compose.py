@@ -5,15 +5,22 @@ unmasked, unweighted, not aggregated). This composition does the shared work onc
 
     old  = batch.old_logprobs, else batch.engine_logprobs
     w    = min(exp(old - engine), tis_cap)                     [tis_cap set; else 1]
+    l    = loss(LossInputs(logprobs, old, advantages, ..., behaviour_logprobs=batch.engine_logprobs))
     loss = aggregate(m * s * w * l)
          + kl_coef * aggregate(m * s * kl_estimator(logprobs, ref_logprobs))     [kl_penalty == "loss"]
          - entropy_coef * aggregate(m * s * entropy)                             [entropy_coef > 0]
 
 Every term uses ``cfg.aggregation`` with the batch's full-batch ``LossNormalizers``, so the
-micro-batch losses (and gradients) add up to the full-batch ones. TIS weights ``w`` multiply the
-policy term only; the batch's sample weights ``s`` (``batch.weights``: 1 on every sampled token,
-or an estimator's per-turn weights such as a tree's ``1/|L(n)|``) weigh every term as data, counts
-included (``tracegym.algos.aggregation``). This module knows the batch only through ``PolicyLossBatch`` (the fields it reads), so
+micro-batch losses (and gradients) add up to the full-batch ones. Every loss also receives the
+sampler's log-probs (``LossInputs.behaviour_logprobs``, with the rows that have them): a loss that
+corrects for the sampling policy itself (``decoupled_ppo``, ``pi_prox / pi_behav``) reads them
+there, and its options model says so with class flags read here and by ``PolicyLossConfig``:
+``needs_old_logprobs`` (trainer-recomputed ``old_logprobs`` are required, never the engine's
+fallback) and ``applies_behaviour_weights`` (``tis_cap`` would weigh by the same ratio twice, so the
+config refuses it). TIS weights ``w`` multiply the policy term only; the batch's sample weights
+``s`` (``batch.weights``: 1 on every sampled token, or an estimator's per-turn weights such as a
+tree's ``1/|L(n)|``) weigh every term as data, counts included (``tracegym.algos.aggregation``).
+This module knows the batch only through ``PolicyLossBatch`` (the fields it reads), so
 ``tracegym.batch`` can import ``tracegym.algos`` without a cycle.
 """
 
@@ -40,7 +47,8 @@ class PolicyLossBatch(Protocol):
     advantages: Tensor
     """Per-token advantages."""
     engine_logprobs: Tensor
-    """The sampling engine's log-probs (0 where unknown)."""
+    """The sampling engine's log-probs (0 where unknown); also handed to the loss as
+    ``LossInputs.behaviour_logprobs``."""
     has_engine_logprobs: Tensor
     """[B] bool: rows whose engine log-probs are known."""
     normalizers: LossNormalizers
@@ -97,6 +105,14 @@ def compute_policy_loss(
             token_weights=token_weights, sample_weights=sample_weights,
         )
 
+    if batch_part.old_logprobs is None and cfg.loss_needs_old_logprobs:
+        raise ValueError(
+            f"policy loss {cfg.loss!r} needs batch.old_logprobs (the trainer's log-probs at the start of the "
+            "step, its proximal policy) but they are None: recompute them before the update, e.g. "
+            "batch.with_logprobs(old=batch_logprobs(model, batch, ...)), whenever PolicyLossConfig.needs_old_logprobs "
+            "is true; the engine's log-probs in their place would silently drop the off-policy correction"
+        )
+
     old = _old_logprobs(batch_part, mask)
     metrics: dict[str, float] = {}
 
@@ -111,6 +127,7 @@ def compute_policy_loss(
             batch_part.old_logprobs, batch_part.engine_logprobs, mask, cfg.tis_cap, batch_part.has_engine_logprobs
         )
 
+    behaviour: Tensor | None = getattr(batch_part, "engine_logprobs", None)
     inputs = LossInputs(
         logprobs=logprobs,
         old_logprobs=old.detach(),
@@ -118,6 +135,10 @@ def compute_policy_loss(
         mask=mask,
         entropy=None if entropy is None else entropy.detach(),
         log_ratio_limit=cfg.log_ratio_limit,
+        # the sampler's log-probs [B, T] and their rows [B]; read with getattr so a batch-like
+        # object without them still serves every loss that does not need them
+        behaviour_logprobs=None if behaviour is None else behaviour.detach(),
+        has_behaviour_logprobs=getattr(batch_part, "has_engine_logprobs", None) if behaviour is not None else None,
     )
     per_token, loss_metrics = POLICY_LOSSES.entry(cfg.loss)(inputs, cfg.loss_options)
     if not isinstance(per_token, Tensor) or per_token.shape != mask.shape:

@@ -6,7 +6,7 @@ the chosen loss, validated by that loss's options model (``POLICY_LOSSES.options
 available as ``cfg.loss_options``::
 
     policy_loss:
-      loss: ppo_clip          # ppo_clip | gspo | policy_gradient | a plugin's loss
+      loss: ppo_clip          # ppo_clip | gspo | policy_gradient | decoupled_ppo | a plugin's loss
       clip_eps_high: 0.28     # ppo_clip's own option (clip-higher, DAPO)
       dual_clip_c: 3.0        # ppo_clip's own option (dual clip)
       aggregation: token_mean # token_mean | sequence_mean | sequence_sum | fixed_length_sum
@@ -45,8 +45,10 @@ class PolicyLossCommon(BaseModel):
 
     loss: str = DEFAULT_LOSS
     """Registered policy loss: ``ppo_clip`` (token ratios, PPO), ``gspo`` (sequence ratio, the
-    length-normalised geometric mean of token ratios), ``policy_gradient`` (no clipping), or one a
-    plugin registers. Its own options are further keys of this section."""
+    length-normalised geometric mean of token ratios), ``policy_gradient`` (no clipping),
+    ``decoupled_ppo`` (AReaL's decoupled PPO for stale, asynchronously sampled batches: PPO-clip
+    against the trainer's start-of-step policy, each token weighted by ``pi_prox / pi_behav``), or
+    one a plugin registers. Its own options are further keys of this section."""
 
     aggregation: Literal["token_mean", "sequence_mean", "sequence_sum", "fixed_length_sum"] = "token_mean"
     """How per-token losses become one number: mean over all trained tokens (``token_mean``); mean
@@ -76,7 +78,8 @@ class PolicyLossCommon(BaseModel):
     tis_cap: float | None = Field(None, gt=0.0)
     """Truncated importance sampling: each token's loss is multiplied by
     ``min(exp(old_logprob - engine_logprob), tis_cap)`` to correct for the engine/trainer mismatch
-    (Yao et al. 2025), for every loss. Needs trainer-recomputed ``old_logprobs``. Typical: 2.0. None: off."""
+    (Yao et al. 2025), for every loss. Needs trainer-recomputed ``old_logprobs``. Typical: 2.0. None: off.
+    Not with ``decoupled_ppo``: it weighs every token by that same ratio itself (``behav_weight_cap``)."""
 
     log_ratio_limit: float = Field(20.0, gt=0.0)
     """Log-ratios are clamped to +-this before ``exp`` so one bad token cannot overflow to inf."""
@@ -164,6 +167,22 @@ def _parse_loss_options(loss: str, model: type[BaseModel], values: Mapping[str, 
         return None, _value_problems(exc, loss)
 
 
+def _flag(model: type[BaseModel] | None, name: str) -> bool:
+    """A class flag of a loss's options model (``needs_old_logprobs``, ``applies_behaviour_weights``)."""
+    return bool(getattr(model, name, False)) if model is not None else False
+
+
+def _combination_problems(loss: str, model: type[BaseModel] | None, tis_cap: Any) -> list[str]:
+    """Problems of the common keys together with the chosen loss (each valid on its own)."""
+    if tis_cap is not None and _flag(model, "applies_behaviour_weights"):
+        return [
+            f"invalid 'policy_loss': tis_cap with loss {loss!r}, which already weighs every token by "
+            "pi_old / pi_engine (its behaviour weight): TIS would apply the same ratio twice; drop tis_cap "
+            "(the loss's own cap, e.g. behav_weight_cap, bounds the weight)"
+        ]
+    return []
+
+
 def policy_loss_problems(options: Any) -> list[str]:
     """Every problem of a ``policy_loss`` section (flat keys), one readable line each; ``[]`` when
     valid. Unknown keys are named ``policy_loss.<key>`` with the nearest valid key (among the
@@ -173,13 +192,16 @@ def policy_loss_problems(options: Any) -> list[str]:
     common = {k: v for k, v in options.items() if k in COMMON_KEYS}
     rest = {k: v for k, v in options.items() if k not in COMMON_KEYS}
     problems: list[str] = []
+    parsed: PolicyLossCommon | None = None
     try:
-        PolicyLossCommon.model_validate(common)
+        parsed = PolicyLossCommon.model_validate(common)
     except ValidationError as exc:
         problems += _value_problems(exc)
     loss, model = _loss_model(options.get("loss", DEFAULT_LOSS), rest)
     if model is not None and loss is not None:
         problems += _parse_loss_options(loss, model, rest)[1]
+        if parsed is not None and loss == parsed.loss:  # the named loss, not a stand-in for an unknown name
+            problems += _combination_problems(loss, model, parsed.tis_cap)
     elif rest:  # an unknown loss and keys no registered loss knows
         problems += [f"unknown key 'policy_loss.{k}': no registered policy loss has this option" for k in rest]
     return problems
@@ -221,6 +243,26 @@ class PolicyLossConfig(PolicyLossCommon):
             raise ValueError("\n".join(problems))
         data["loss_options"] = options
         return data
+
+    @model_validator(mode="after")
+    def _check_loss_combination(self) -> "PolicyLossConfig":
+        problems = _combination_problems(self.loss, type(self.loss_options), self.tis_cap)
+        if problems:
+            raise ValueError(problems[0].removeprefix("invalid 'policy_loss': "))
+        return self
+
+    @property
+    def loss_needs_old_logprobs(self) -> bool:
+        """The chosen loss needs trainer-recomputed ``old_logprobs`` (its options model's class flag
+        ``needs_old_logprobs``, e.g. ``decoupled_ppo``'s proximal policy)."""
+        return _flag(type(self.loss_options), "needs_old_logprobs")
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The update needs the trainer's own log-probs of the old policy, whatever the sampler
+        recorded: TIS compares them with the engine's, and some losses (``loss_needs_old_logprobs``)
+        use them as their proximal policy."""
+        return self.tis_cap is not None or self.loss_needs_old_logprobs
 
     @model_serializer(mode="wrap")
     def _flat(self, handler: Any, info: Any) -> dict[str, Any]:

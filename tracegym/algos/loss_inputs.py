@@ -5,7 +5,15 @@ every token, **unmasked, unweighted and not aggregated**. ``compose.compute_poli
 rest once for every loss (mask, truncated importance weights, aggregation with full-batch
 normalizers, KL and entropy terms), so a new loss cannot forget any of it.
 
-All tensors are ``[B, T]`` and target-aligned (column ``t`` belongs to token ``t + 1``).
+All tensors are ``[B, T]`` and target-aligned (column ``t`` belongs to token ``t + 1``), except
+``has_behaviour_logprobs`` ([B], one flag per row).
+
+Three policies can appear in a loss: the current one (``logprobs``, with gradient), the one the
+update starts from (``old_logprobs``: recomputed by the trainer at the start of the step, the
+proximal policy of decoupled PPO) and the one that sampled the tokens (``behaviour_logprobs``: the
+engine's log-probs recorded with the trajectory; in asynchronous training it may be several updates
+older). ``compute_policy_loss`` fills all three from the batch; a loss that needs the behaviour
+policy (``decoupled_ppo``) reads ``behaviour_logprobs`` and refuses to run without it.
 """
 
 from __future__ import annotations
@@ -36,14 +44,27 @@ class LossInputs:
     """[B, T] token entropy of the current policy (detached), or None when not computed."""
     log_ratio_limit: float = 20.0
     """Clamp of ``logprobs - old_logprobs`` before ``exp`` (``PolicyLossConfig.log_ratio_limit``)."""
+    behaviour_logprobs: Tensor | None = None
+    """[B, T] log-probs of the target tokens under the policy that sampled them (the engine's,
+    ``Batch.engine_logprobs``; 0 where unknown), detached; None when the caller has none."""
+    has_behaviour_logprobs: Tensor | None = None
+    """[B] bool: rows whose ``behaviour_logprobs`` are known (``Batch.has_engine_logprobs``; False for
+    scripted expert turns); None means every row."""
 
     def __post_init__(self) -> None:
         tensors = {"logprobs": self.logprobs, "old_logprobs": self.old_logprobs, "advantages": self.advantages, "mask": self.mask}
         if self.entropy is not None:
             tensors["entropy"] = self.entropy
+        if self.behaviour_logprobs is not None:
+            tensors["behaviour_logprobs"] = self.behaviour_logprobs
         if self.logprobs.dim() != 2 or len({tuple(t.shape) for t in tensors.values()}) != 1:
             shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
             raise ValueError(f"loss inputs must all be [B, T] of one shape; got {shapes}")
+        rows = self.has_behaviour_logprobs
+        if rows is not None and tuple(rows.shape) != (self.logprobs.shape[0],):
+            raise ValueError(
+                f"has_behaviour_logprobs must be [B] = ({self.logprobs.shape[0]},), one flag per row; got {tuple(rows.shape)}"
+            )
         if self.log_ratio_limit <= 0:
             raise ValueError(f"log_ratio_limit must be positive, got {self.log_ratio_limit}")
 

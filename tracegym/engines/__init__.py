@@ -69,13 +69,16 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
             or a name/folder for :func:`tracegym.models.load` (its tokenizer is loaded with it unless
             ``tokenizer`` is given). ``openai``: the model id sent to the server. ``vllm``: a local
             HF folder or ``smollm2-135m``.
-        tokenizer: ``hf`` only (stop strings and ``Generation.text``); ignored by the others.
+        tokenizer: ``hf`` (stop strings and ``Generation.text``) and ``openai`` (re-tokenizing the
+            text of a server that returns no token ids); ignored by ``vllm``.
         renderer: when given, its ``stop_token_ids`` become the engine's stop ids (``hf``, ``vllm``)
-            unless ``stop_token_ids`` is passed explicitly; ignored by ``openai``.
+            unless ``stop_token_ids`` is passed explicitly; ``openai`` keeps it for its tool-call
+            parser, its stop ids and re-tokenizing.
         **options: keyword arguments of the engine's constructor: ``HFEngine`` (``max_batch_size``,
             ``pad_token_id``, ``prefix_cache``, ...), ``OpenAIEngine`` (``base_url``,
-            ``api_key_env``, ``timeout_s``, ...), ``VLLMEngine`` (``gpu_memory_utilization``,
-            ``dtype``, ``enable_lora``, ... and any other ``vllm.LLM`` argument).
+            ``api_key_env``, ``timeout_s``, ``logprobs``, ``token_ids``, ``allow_retokenized``,
+            ``max_tokens_param``, ...), ``VLLMEngine`` (``gpu_memory_utilization``, ``dtype``,
+            ``enable_lora``, ... and any other ``vllm.LLM`` argument).
 
     Unknown engine names and unknown options raise ``ValueError`` naming the engine and what it
     accepts, before any model is loaded or any connection is made.
@@ -105,6 +108,8 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
             if tokenizer is None:
                 tokenizer = loaded_tokenizer
         return cls(model, tokenizer, **options)
+    if name == "openai":
+        return cls(model, tokenizer=tokenizer, renderer=renderer, **options)
     return cls(model, **options)
 
 
@@ -116,9 +121,12 @@ def require_rl_sampler(engine: Any) -> None:
     if not isinstance(caps, EngineCapabilities):
         raise ValueError(f"engine {name!r} declares no capabilities (an EngineCapabilities), so it cannot be "
                          "checked for on-policy RL; use rollout.engine: hf (CPU) or vllm (GPU)")
+    # the openai engine can feed RL once asked for log-probs and server token ids: say how
+    hint = ("; or give the openai engine rollout.engine_options logprobs: true and token_ids: server, with a "
+            "server that returns token ids (docs/serve.md)") if name == "openai" else ""
     if not caps.returns_logprobs:
         raise ValueError(f"engine {name!r} does not return the log-probs of the tokens it samples, so it cannot "
-                         "feed on-policy RL; use rollout.engine: hf (CPU) or vllm (GPU)")
+                         f"feed on-policy RL; use rollout.engine: hf (CPU) or vllm (GPU){hint}")
     if not caps.exact_token_ids:
         raise ValueError(f"engine {name!r} does not return the exact token ids it samples (its text is re-encoded), "
-                         "so it cannot feed on-policy RL; use rollout.engine: hf (CPU) or vllm (GPU)")
+                         f"so it cannot feed on-policy RL; use rollout.engine: hf (CPU) or vllm (GPU){hint}")

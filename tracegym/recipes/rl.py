@@ -2,14 +2,16 @@
 
 One step, top to bottom (``train_rl`` below reads exactly like this)::
 
-    tasks   = next_tasks(...)                               # seeded task order, a resumable cursor
-    groups  = collect_groups(sampler, env, tasks, ...)      # TrajectoryGroup per task (chains or a tree's leaves)
+    batch   = executor.next_batch(step, cursor, round)     # the step's tasks (seeded order, resumable cursor) and
+    groups  = batch.groups                                  # their TrajectoryGroups (chains or a tree's leaves),
+                                                            # sampled now (local) or ahead by a recent version
     groups, adv = score_and_estimate(groups, ...)           # optional scoring (branching, KL in the reward,
                                                             # InfoPO), then one advantage per turn
     data    = examples_from_groups(groups, renderer, adv)   # each turn's advantage (and weight) on its sampled tokens
     batch   = score_batch(model, ref, make_batch(data))     # old / reference log-probs where the loss needs them
     metrics = policy_update(model, batch, loss, optimizer)  # per-token loss; masks, TIS, aggregation, KL once
     sampler.update_weights(model)                           # free and exact for hf (it holds this very model)
+    executor.publish(model, version=step)                   # rollout threads / Ray workers follow
     log(step, metrics); maybe_evaluate(step); maybe_checkpoint(step)
 
 Every piece is a function of its inputs, tested on its own. The math lives in registries that a
@@ -29,6 +31,12 @@ update runs in train mode (transformers recomputes activations only there); drop
 
 The reference policy (``policy_loss.kl_coef > 0``) is the LoRA base with the adapter disabled (no
 second copy in memory), or a frozen copy with full fine-tuning.
+
+Executors (``executor.kind``, docs/scale.md): ``local`` samples in this loop with this model (lag 0,
+exact resume); ``threads`` (a rollout thread with its own policy copy) and ``ray`` (rollout actors)
+sample the next batches while this loop updates, each batch at most ``executor.max_staleness``
+versions behind; every trajectory records ``info["policy_version"]``, and the ``decoupled_ppo`` loss
+corrects for the lag.
 
 Prompt-injection safety (docs/safety.md): with ``env.injection`` every episode (training, branching,
 evaluation) runs in ``InjectionEnv`` around the env, so a share of the tasks carry an attack in a
@@ -56,6 +64,7 @@ from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import InjectionEnv, env_source
+from tracegym.executors.factory import make_executor
 from tracegym.eval.metrics import injection_figures
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
@@ -268,6 +277,10 @@ def make_sampler(cfg: RLConfig, model: Any, tokenizer: Any, renderer: Any) -> An
         sampler = make_engine(cfg.rollout.engine, model=options.pop("model", cfg.model.name), tokenizer=tokenizer,
                               renderer=renderer, **options)
     require_rl_sampler(sampler)
+    if sampler.capabilities.weight_sync == "none":
+        # a server the recipe cannot update would sample every step after the first from a stale policy
+        raise ValueError(f"engine {cfg.rollout.engine!r} cannot take the trainer's weights (weight_sync: none): every "
+                         "step after the first would sample from a stale policy; use rollout.engine: hf or vllm")
     return sampler
 
 
@@ -349,19 +362,27 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     gap_model = model if cfg.rollout.measure_logprob_gap else None
     if cfg.save_rollouts:
         (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    # where rollouts come from: this loop (local), a rollout thread or Ray actors (docs/scale.md);
+    # the policy version is the number of updates applied, so it starts at the step resumed at
+    executor = make_executor(cfg, model, tokenizer, renderer, sampler, train_tasks, version=step, gap_model=gap_model)
     final_dir = None
     try:
         while step < cfg.steps:
             t_start = time.perf_counter()
-            # 1. collect: groups of the current policy; with resampling, more tasks until enough carry signal
+            # 1. collect: the step's groups from the executor (sampled now, or ahead by a recent policy
+            #    version); with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
             groups, results, advantages, weights, rounds, estimator_metrics = [], [], [], [], 0, []
+            stale = False  # sampled by an older policy version (an asynchronous executor ran ahead)
             try:
                 while True:
-                    tasks = tasks_at(train_tasks, cfg.seed, cursor, cfg.tasks_per_step)
+                    batch = executor.next_batch(step, cursor, rounds)
+                    tasks, new, result = batch.tasks, batch.groups, batch.result
+                    stale = stale or batch.version != step
                     cursor += len(tasks)
+                    if writer is not None:
+                        writer.write_all(result.trajectories)
                     seed = cfg.seed * 1_000_003 + step + rounds * 7_919_007
-                    new, result = collect_groups(sampler, cfg, tasks, renderer, writer=writer, gap_model=gap_model, seed=seed)
                     # 2. optional scoring steps (branching, KL in the reward, InfoPO), then one advantage per turn
                     new, estimated, kl_penalty = score_and_estimate(
                         new, tasks, cfg, loss_cfg, sampler=sampler, model=model, reference=reference, renderer=renderer,
@@ -380,7 +401,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     writer.close()
             metrics: dict[str, Any] = rollout_metrics(groups, results)
             metrics.update({"time/rollout_s": time.perf_counter() - t_start, "groups/no_signal": float(len(groups) - with_signal),
-                            "groups/resample_rounds": float(rounds)})
+                            "groups/resample_rounds": float(rounds), **executor.metrics()})
             if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                 metrics["reward/kl_penalty"] = kl_penalty
             for key in sorted({k for m in estimator_metrics for k in m}):  # e.g. GiGPO's step-group size, per round
@@ -394,12 +415,13 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             metrics.update({"examples/count": float(len(data.examples)), "examples/template_splits": float(data.template_splits),
                             "examples/dropped_too_long": float(data.dropped_too_long)})
 
-            # 4. update, then weight sync (the hf engine calls this very model object: nothing to copy)
+            # 4. update, then weight sync: the trainer's engine (it calls this very model object, so
+            #    this only drops its caches) and the executor's samplers (they copy the new weights)
             t_train = time.perf_counter()
             if data.examples:
                 batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
                 batch = score_batch(model, reference, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size,
-                                    temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
+                                    temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=stale)
                 metrics.update(policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=cfg.ppo_epochs,
                                              micro_batch_size=cfg.micro_batch_size, temperature=temperature,
                                              max_grad_norm=cfg.optim.max_grad_norm,
@@ -407,6 +429,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 sampler.update_weights(model)
                 metrics["train/tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(time.perf_counter() - t_train, 1e-9)
             step += 1
+            executor.publish(model, step)  # version = updates so far (a step without examples changes nothing)
             metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
                             "rss_mb": process_rss_mb()})
 
@@ -421,13 +444,15 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
                 return RLResult(run_dir, None, step, history)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": cursor}
+                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": cursor,
+                         "executor": {"kind": cfg.executor.kind, **executor.state_dict()}}
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
         final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
                                                              "renderer": cfg.model.renderer or cfg.model.name,
                                                              "recipe": "rl", "env": cfg.env.name,
                                                              "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
+        executor.close()
         progress.close()
         logger.close()
     return RLResult(run_dir, final_dir, step, history)

@@ -54,11 +54,14 @@ def reference_logprobs(
     return batch_logprobs(model, batch, micro_batch_size, temperature=temperature, disable_adapter=True)
 
 
-def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float) -> bool:
+def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False) -> bool:
     """Whether the trainer must re-score the old policy instead of using the engine's log-probs:
-    several passes (the ratio drifts from 1), TIS (compares the two), top-p (the engine renormalised
-    over the nucleus, the trainer's softmax does not) or rows without engine log-probs."""
-    return epochs > 1 or loss_cfg.tis_cap is not None or top_p < 1.0 or not bool(batch.has_engine_logprobs.all())
+    several passes (the ratio drifts from 1), a loss that compares the two (TIS, decoupled PPO's
+    proximal policy), top-p (the engine renormalised over the nucleus, the trainer's softmax does
+    not), rows without engine log-probs, or a ``stale`` batch (sampled by an older policy version:
+    the ratio must start from the weights being updated, not from the sampler's)."""
+    return (epochs > 1 or loss_cfg.needs_old_logprobs or top_p < 1.0 or stale
+            or not bool(batch.has_engine_logprobs.all()))
 
 
 def score_batch(
@@ -71,10 +74,11 @@ def score_batch(
     temperature: float,
     epochs: int = 1,
     top_p: float = 1.0,
+    stale: bool = False,
 ) -> Batch:
     """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss)."""
     old = None
-    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p):
+    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
         old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
     ref = None
     if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "loss":

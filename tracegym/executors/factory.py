@@ -1,0 +1,29 @@
+"""``make_executor``: the executor ``cfg.executor.kind`` names, started at policy ``version``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tracegym.executors.base import Executor
+
+
+def make_executor(cfg: Any, model: torch.nn.Module, tokenizer: Any, renderer: Any, sampler: Any,
+                  train_tasks: Sequence[Any], version: int, gap_model: torch.nn.Module | None = None) -> Executor:
+    """``local`` samples with ``sampler`` (the trainer's own engine); ``threads`` and ``ray`` build
+    their own policy copies and engines. ``version``: updates applied so far (the step resumed at)."""
+    kind = cfg.executor.kind
+    if kind == "local":
+        from tracegym.executors.local import LocalExecutor
+
+        return LocalExecutor(cfg, sampler, renderer, train_tasks, version, gap_model=gap_model)
+    if kind == "threads":
+        from tracegym.executors.threads import ThreadsExecutor
+
+        return ThreadsExecutor(cfg, model, tokenizer, renderer, train_tasks, version)
+    if kind == "ray":
+        from tracegym.executors.ray_workers import RayExecutor
+
+        return RayExecutor(cfg, model, version)
+    raise ValueError(f"unknown executor.kind {kind!r}; expected local, threads or ray")
