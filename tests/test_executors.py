@@ -27,7 +27,7 @@ PLUGIN = textwrap.dedent('''
     """Test envs for the executor tests (imported by the trainer and by every Ray worker)."""
     import os
     import signal
-    from pathlib import Path
+    import time
 
     from tracegym.envs import register
     from tracegym.envs.base import Env, Task
@@ -39,8 +39,16 @@ PLUGIN = textwrap.dedent('''
 
         name = "exec-letter"
 
-        def __init__(self, letter: str = "e", kill_once_file: str | None = None):
-            self.letter, self.kill_once_file = letter, kill_once_file
+        def __init__(self, letter: str = "e", kill_once_file: str | None = None, stall_once_file: str | None = None):
+            self.letter, self.kill_once_file, self.stall_once_file = letter, kill_once_file, stall_once_file
+
+        def _first_time(self, path):
+            """True once per path across every process (an atomic create)."""
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return True
+            except FileExistsError:
+                return False
 
         def tasks(self, split="train", n=100, seed=0):
             offset = 0 if split == "train" else 10_000
@@ -54,15 +62,13 @@ PLUGIN = textwrap.dedent('''
                     Message(role="user", content=f"Word {task.data['word']}")]
 
         async def step(self, message, parse_errors=()):
-            # Fault injection: the first episode to get here in a Ray worker kills that worker's process.
-            if self.kill_once_file and os.environ.get("TRACEGYM_IN_RAY_WORKER") == "1":
-                marker = Path(self.kill_once_file)
-                try:
-                    fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                    os.close(fd)
+            # Fault injection, in Ray workers only: the first episode to get here kills its worker's
+            # process, or hangs it (a blocking sleep stalls the worker's whole event loop).
+            if os.environ.get("TRACEGYM_IN_RAY_WORKER") == "1":
+                if self.kill_once_file and self._first_time(self.kill_once_file):
                     os.kill(os.getpid(), signal.SIGKILL)
-                except FileExistsError:
-                    pass
+                if self.stall_once_file and self._first_time(self.stall_once_file):
+                    time.sleep(120)
             ok = self.letter in message.content
             return StepResult(reward=float(ok), terminated=True, info={"success": ok})
 
@@ -176,3 +182,14 @@ def test_a_killed_ray_worker_loses_only_its_batch(tmp_path, plugin, ray_cluster)
     assert sum(r["async/dropped_episodes"] for r in rows) == 2 * 4  # tasks_per_step x group_size
     # every step still trained on a whole batch: the lost one was sampled again
     assert [len(p.read_text().splitlines()) for p in sorted((result.run_dir / "rollouts").glob("step_*.jsonl"))] == [8, 8, 8]
+
+
+def test_a_stalled_ray_worker_is_replaced_and_never_stalls_the_trainer(tmp_path, plugin, ray_cluster):
+    marker = tmp_path / "stalled-once"
+    cfg = _config(tmp_path / "run", plugin, "executor.kind=ray", "executor.rollout_workers=2", "executor.max_staleness=1",
+                  "executor.batch_timeout_s=10", f"env.options.stall_once_file={marker}", "steps=3")
+    result = train_rl(cfg)
+    assert marker.exists(), "the stall was never injected"
+    rows = [r for r in read_metrics(result.run_dir) if r["step"] > 0]
+    assert len(rows) == 3 and sum(r["async/worker_failures"] for r in rows) == 1
+    assert max(r["time/step_s"] for r in rows) < 60  # the 120 s hang was cut at the 10 s batch timeout

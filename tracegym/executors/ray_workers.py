@@ -37,6 +37,10 @@ from tracegym.executors.base import (Executor, ExecutorStats, RolloutBatch, lag_
 from tracegym.executors.gate import StalenessGate
 
 
+#: Longest a new rollout actor may take to build its policy and engine before it counts as stalled.
+WORKER_START_TIMEOUT_S = 900.0
+
+
 class RolloutWorker:
     """One rollout actor: its own policy copy, engine and envs (wrapped with ``ray.remote`` at start)."""
 
@@ -94,6 +98,8 @@ class RayExecutor(Executor):
         self._worker_threads = max(1, int(ex.worker_cpus))
         self.workers: list[Any] = []
         self._names: list[str] = []
+        self._up_ref: dict[int, Any] = {}  # slot -> ref that resolves once the actor has built its policy
+        self._up_at: dict[int, float | None] = {}
         for i in range(ex.rollout_workers):
             self._spawn(i)
         self.gate = StalenessGate(batch_size=1, max_staleness=ex.max_staleness)
@@ -117,6 +123,18 @@ class RayExecutor(Executor):
         else:
             self.workers.append(actor)
             self._names.append(name)
+        # A batch's time limit runs from when its worker is up: loading a model is not straggling.
+        self._up_ref[slot] = actor.pid.remote()
+        self._up_at[slot] = None
+
+    def _deadline(self, slot: int, sent: float) -> float:
+        """When a batch sent to ``slot`` at ``sent`` counts as stalled (inf while the worker starts)."""
+        if self._up_at[slot] is None:
+            done, _ = self.ray.wait([self._up_ref[slot]], timeout=0)
+            if not done:
+                return sent + WORKER_START_TIMEOUT_S
+            self._up_at[slot] = time.perf_counter()
+        return max(sent, self._up_at[slot]) + self.cfg.executor.batch_timeout_s
 
     def _idle_slots(self) -> list[int]:
         busy = {slot for slot, _, _ in self._in_flight.values()}
@@ -174,7 +192,7 @@ class RayExecutor(Executor):
                 self._ready[index] = batch
             now = time.perf_counter()
             for ref, (slot, index, sent) in list(self._in_flight.items()):
-                if now - sent > self.cfg.executor.batch_timeout_s:  # a straggler: never let it stall the trainer
+                if now > self._deadline(slot, sent):  # a straggler: never let it stall the trainer
                     del self._in_flight[ref]
                     self._replace(slot, index, f"no result after {self.cfg.executor.batch_timeout_s:g} s")
         batch = self._ready.pop(step)
