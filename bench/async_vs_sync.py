@@ -72,7 +72,9 @@ RUNNER = textwrap.dedent('''
     from tracegym.config import RLConfig, load_config
     from tracegym.recipes.rl import train_rl
     from tracegym.train.logging import read_metrics
+    from tracegym.plugins import load_plugins
     data = json.loads(sys.argv[1])
+    load_plugins(data.get("plugins", []))
     cfg = load_config(RLConfig, data=data)
     started = time.perf_counter()
     result = train_rl(cfg)
