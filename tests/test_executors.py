@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tracegym.config import RLConfig, load_config
 from tracegym.executors.base import VERSION_KEY
@@ -122,8 +123,12 @@ def _versions(run_dir: Path) -> list[set[int]]:
 
 
 def test_threads_with_staleness_zero_is_the_local_run_exactly(tmp_path, plugin):
+    # The same torch thread count on both sides: float sums in another order differ in the last bits.
+    same_threads = f"executor.trainer_threads={torch.get_num_threads()}"
     local = train_rl(_config(tmp_path / "local", plugin))
-    threads = train_rl(_config(tmp_path / "threads", plugin, "executor.kind=threads", "executor.max_staleness=0"))
+    threads = train_rl(_config(tmp_path / "threads", plugin, "executor.kind=threads", "executor.max_staleness=0",
+                               same_threads))
+    assert torch.get_num_threads() == int(same_threads.split("=")[1])  # restored after the run
     assert _rows(threads.run_dir) == _rows(local.run_dir)
     assert _versions(local.run_dir) == _versions(threads.run_dir) == [{0}, {1}, {2}]
     final = {row["step"]: row for row in read_metrics(threads.run_dir)}

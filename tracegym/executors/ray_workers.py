@@ -86,13 +86,15 @@ class RayExecutor(Executor):
             raise ImportError("executor.kind: ray needs the ray package (pip install 'ray>=2.50')") from exc
         self.ray, self.cfg = ray, cfg
         ex = cfg.executor
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()  # then close() shuts down the Ray instance it started
+        if self._owns_ray:
             if ex.ray_address:
                 ray.init(address=ex.ray_address, include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(num_cpus=max(os.cpu_count() or 1, ex.rollout_workers * ex.worker_cpus),
                          include_dashboard=False, log_to_driver=False)
         trainer_threads = ex.trainer_threads or max(1, int((os.cpu_count() or 2) - ex.rollout_workers * ex.worker_cpus) or 1)
+        self._threads_before = torch.get_num_threads()  # process-wide: restored by close()
         torch.set_num_threads(trainer_threads)
         self._actor_class = ray.remote(num_cpus=ex.worker_cpus)(RolloutWorker)
         self._worker_threads = max(1, int(ex.worker_cpus))
@@ -227,6 +229,9 @@ class RayExecutor(Executor):
                 pass
         self.workers = []
         self._in_flight.clear()
+        if self._owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
+        torch.set_num_threads(self._threads_before)
 
 
 __all__ = ["RayExecutor", "RolloutWorker"]

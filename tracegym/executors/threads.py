@@ -37,6 +37,7 @@ class ThreadsExecutor(Executor):
 
         self.cfg, self.renderer, self.train_tasks = cfg, renderer, list(train_tasks)
         threads = cfg.executor.trainer_threads or max(1, (os.cpu_count() or 2) // 2)
+        self._threads_before = torch.get_num_threads()  # process-wide: restored by close()
         torch.set_num_threads(threads)
         self.sampler_model = copy.deepcopy(model).eval()  # [the policy]: weights of the newest published version
         self.sampler = make_sampler(cfg, self.sampler_model, tokenizer, renderer)
@@ -128,3 +129,4 @@ class ThreadsExecutor(Executor):
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
+        torch.set_num_threads(self._threads_before)
