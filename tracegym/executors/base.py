@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from tracegym.executors.gate import lag_histogram_metrics
 from tracegym.rollout import RolloutResult
 from tracegym.types import Trajectory, TrajectoryGroup, group_trajectories
 
@@ -119,6 +120,12 @@ class ExecutorStats:
     worker_failures: int = 0  # workers that died or stalled and were restarted
     wait_s: float = 0.0  # trainer time spent waiting for a batch
 
+    def record_trained(self, batch: RolloutBatch, trainer_version: int, waited_s: float) -> None:
+        """The trainer took ``batch`` at ``trainer_version`` after waiting ``waited_s``."""
+        self.wait_s += waited_s
+        lag = trainer_version - batch.version
+        self.lags[lag] = self.lags.get(lag, 0) + 1
+
     def clear(self) -> None:
         self.lags.clear()
         self.dropped_batches = self.dropped_episodes = self.worker_failures = 0
@@ -158,13 +165,7 @@ class Executor(ABC):
 
 def lag_metrics(stats: ExecutorStats, prefix: str = "async/") -> dict[str, float]:
     """``async/lag_mean``, ``lag_max``, ``lag_<n>`` counts, drops, failures and wait time."""
-    out: dict[str, float] = {}
-    total = sum(stats.lags.values())
-    if total:
-        out[f"{prefix}lag_mean"] = sum(lag * n for lag, n in stats.lags.items()) / total
-        out[f"{prefix}lag_max"] = float(max(stats.lags))
-        for lag, n in sorted(stats.lags.items()):
-            out[f"{prefix}lag_{lag}"] = float(n)
+    out = lag_histogram_metrics(stats.lags, prefix)
     out[f"{prefix}dropped_batches"] = float(stats.dropped_batches)
     out[f"{prefix}dropped_episodes"] = float(stats.dropped_episodes)
     out[f"{prefix}worker_failures"] = float(stats.worker_failures)

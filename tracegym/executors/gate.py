@@ -280,12 +280,7 @@ class StalenessGate:
                 f"{prefix}dropped": float(self._dropped),
                 f"{prefix}rejected": float(self._rejected),
             }
-            total = sum(self._lags.values())
-            if total:
-                out[f"{prefix}lag_mean"] = sum(lag * n for lag, n in self._lags.items()) / total
-                out[f"{prefix}lag_max"] = float(max(self._lags))
-                for lag, n in sorted(self._lags.items()):
-                    out[f"{prefix}lag_{lag}"] = float(n)
+            out.update(lag_histogram_metrics(self._lags, prefix))
             return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -325,3 +320,15 @@ class StalenessGate:
 
 
 __all__ = ["StalenessGate"]
+
+
+def lag_histogram_metrics(lags: dict[int, int], prefix: str) -> dict[str, float]:
+    """``{prefix}lag_mean``, ``lag_max`` and one ``lag_<n>`` count per lag of a ``{lag: count}``
+    histogram ({} when it is empty)."""
+    total = sum(lags.values())
+    if not total:
+        return {}
+    out = {f"{prefix}lag_mean": sum(lag * n for lag, n in lags.items()) / total, f"{prefix}lag_max": float(max(lags))}
+    for lag, n in sorted(lags.items()):
+        out[f"{prefix}lag_{lag}"] = float(n)
+    return out

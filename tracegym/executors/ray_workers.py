@@ -198,9 +198,7 @@ class RayExecutor(Executor):
                     del self._in_flight[ref]
                     self._replace(slot, index, f"no result after {self.cfg.executor.batch_timeout_s:g} s")
         batch = self._ready.pop(step)
-        self.stats.wait_s += time.perf_counter() - waited
-        lag = self.version - batch.version
-        self.stats.lags[lag] = self.stats.lags.get(lag, 0) + 1
+        self.stats.record_trained(batch, self.version, time.perf_counter() - waited)
         return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

@@ -102,9 +102,7 @@ class ThreadsExecutor(Executor):
                                        "(executor.batch_timeout_s)")
                 self._cond.wait(0.5)
             batch = self._ready.pop(step)
-        self.stats.wait_s += time.perf_counter() - waited
-        lag = self._trainer_version - batch.version
-        self.stats.lags[lag] = self.stats.lags.get(lag, 0) + 1
+        self.stats.record_trained(batch, self._trainer_version, time.perf_counter() - waited)
         return batch
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
