@@ -144,6 +144,8 @@ def test_threads_sample_ahead_within_the_staleness_bound(tmp_path, plugin):
     assert 1 in lags, f"nothing was sampled ahead: {lags}"  # batch 1 starts while batch 0 trains
     rows = [r for r in read_metrics(result.run_dir) if r["step"] > 0]
     assert max(r["async/lag_max"] for r in rows) <= 1
+    # the rollout thread sampled during the run and waited on the gate only while the trainer was behind
+    assert sum(r["async/rollout_busy_s"] for r in rows) > 0 and all(r["async/worker_idle_s"] >= 0 for r in rows)
 
 
 def test_async_executors_refuse_steps_that_need_the_local_sampler(tmp_path, plugin):

@@ -116,6 +116,8 @@ class RayExecutor(Executor):
         self.restarts = 0
         self.stats = ExecutorStats()
         self._busy_s = 0.0
+        self._idle_s = 0.0  # summed over workers: time between a result and the next batch sent
+        self._idle_since: dict[int, float] = {}  # slot -> when it last became idle
 
     def _spawn(self, slot: int) -> None:
         name = f"rollout-{slot}"
@@ -154,7 +156,9 @@ class RayExecutor(Executor):
             else:
                 return
             ref = self.workers[slot].sample.remote(index, self._state_ref, self.version)
-            self._in_flight[ref] = (slot, index, time.perf_counter())
+            now = time.perf_counter()
+            self._idle_s += now - self._idle_since.pop(slot, now)
+            self._in_flight[ref] = (slot, index, now)
 
     def _replace(self, slot: int, index: int, why: str) -> None:
         """A worker died or stalled: count its batch's episodes as lost, start a new actor, queue the batch again."""
@@ -188,6 +192,7 @@ class RayExecutor(Executor):
                     self._replace(slot, index, f"{type(exc).__name__}")
                     continue
                 self._busy_s += batch.sample_s
+                self._idle_since[slot] = time.perf_counter()
                 if index in self._retry:
                     self._retry.remove(index)
                 self.gate.finish()
@@ -209,7 +214,8 @@ class RayExecutor(Executor):
 
     def metrics(self) -> dict[str, float]:
         busy, self._busy_s = self._busy_s, 0.0
-        out = {**lag_metrics(self.stats), "async/rollout_busy_s": busy}
+        idle, self._idle_s = self._idle_s / max(1, len(self.workers)), 0.0
+        out = {**lag_metrics(self.stats), "async/rollout_busy_s": busy, "async/worker_idle_s": idle}
         self.stats.clear()
         return out
 

@@ -52,7 +52,8 @@ class ThreadsExecutor(Executor):
         self._stop = False
         self._trainer_version = version
         self._next_index = version
-        self._busy_s = 0.0  # time the thread spent sampling (the rest it waited on the gate)
+        self._busy_s = 0.0  # time the thread spent sampling
+        self._idle_s = 0.0  # time it waited on the staleness gate (the trainer was behind)
         self._thread = threading.Thread(target=self._run, name="tracegym-rollouts", daemon=True)
         self._thread.start()
 
@@ -64,8 +65,10 @@ class ThreadsExecutor(Executor):
             while True:
                 with self._cond:
                     # Wait for the gate, and never sample past the last step.
+                    idle_from = time.perf_counter()
                     while not self._stop and (not self.gate.can_start() or self._next_index >= self.cfg.steps):
                         self._cond.wait(0.5)
+                    self._idle_s += time.perf_counter() - idle_from
                     if self._stop:
                         return
                     self.gate.start()
@@ -115,7 +118,8 @@ class ThreadsExecutor(Executor):
     def metrics(self) -> dict[str, float]:
         with self._cond:
             busy, self._busy_s = self._busy_s, 0.0
-        out = {**lag_metrics(self.stats), "async/rollout_busy_s": busy}
+            idle, self._idle_s = self._idle_s, 0.0
+        out = {**lag_metrics(self.stats), "async/rollout_busy_s": busy, "async/worker_idle_s": idle}
         self.stats.clear()
         return out
 
