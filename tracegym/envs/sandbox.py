@@ -545,7 +545,8 @@ class Sandbox:
             timed_out = self._wait(proc, started + limit, state)
             out.join(2.0)
             err.join(2.0)
-            self.kill_all()
+            if state["killed"] is None:  # a kill already swept the sandbox's processes
+                self.kill_all()
             stdout, out_cut = out.text()
             stderr, err_cut = err.text()
             return SandboxResult(

@@ -88,21 +88,24 @@ def tag_version(groups: Sequence[TrajectoryGroup], version: int) -> list[Traject
     return group_trajectories(tagged)
 
 
-def batch_seed(base_seed: int, index: int) -> int:
-    """The sampling seed of step ``index``'s rollouts: the one the synchronous loop has always used
-    (``seed * 1_000_003 + step``), so every executor samples the same batch from the same weights."""
-    return base_seed * 1_000_003 + index
+def batch_seed(base_seed: int, index: int, round_index: int = 0) -> int:
+    """The sampling seed of step ``index``'s rollouts (``round_index``: a dynamic-sampling round of
+    further tasks): the one the synchronous loop has always used, so every executor samples the
+    same batch from the same weights."""
+    return base_seed * 1_000_003 + index + round_index * 7_919_007
 
 
-def sample_batch(
-    sampler: Any, cfg: Any, renderer: Any, train_tasks: Sequence[Any], index: int, version: int, worker: str,
+def collect_batch(
+    sampler: Any, cfg: Any, renderer: Any, tasks: Sequence[Any], index: int, version: int, worker: str,
+    round_index: int = 0, gap_model: torch.nn.Module | None = None,
 ) -> RolloutBatch:
-    """Sample step ``index``'s groups with ``sampler`` (holding the weights of ``version``)."""
-    from tracegym.recipes.rl import collect_groups, tasks_at
+    """Sample the groups of ``tasks`` for step ``index`` with ``sampler`` (holding the weights of
+    ``version``), every trajectory tagged with that version."""
+    from tracegym.recipes.rl import collect_groups
 
-    tasks = tasks_at(train_tasks, cfg.seed, index * cfg.tasks_per_step, cfg.tasks_per_step)
     started = time.perf_counter()
-    groups, result = collect_groups(sampler, cfg, tasks, renderer, seed=batch_seed(cfg.seed, index))
+    groups, result = collect_groups(sampler, cfg, tasks, renderer, gap_model=gap_model,
+                                    seed=batch_seed(cfg.seed, index, round_index))
     groups = tag_version(groups, version)
     result = RolloutResult(trajectories=[t for g in groups for t in g.trajectories], stats=result.stats,
                            failed=result.failed)
@@ -110,13 +113,23 @@ def sample_batch(
                         worker=worker, sample_s=time.perf_counter() - started)
 
 
+def sample_batch(
+    sampler: Any, cfg: Any, renderer: Any, train_tasks: Sequence[Any], index: int, version: int, worker: str,
+) -> RolloutBatch:
+    """Step ``index``'s batch as the asynchronous executors sample it: the tasks of slots
+    ``index * tasks_per_step ...`` (no dynamic sampling there)."""
+    from tracegym.recipes.rl import tasks_at
+
+    tasks = tasks_at(train_tasks, cfg.seed, index * cfg.tasks_per_step, cfg.tasks_per_step)
+    return collect_batch(sampler, cfg, renderer, tasks, index, version, worker)
+
+
 @dataclass
 class ExecutorStats:
     """What the executor measured since the trainer last asked (``Executor.metrics``)."""
 
     lags: dict[int, int] = field(default_factory=dict)  # version lag of trained batches -> count
-    dropped_batches: int = 0  # arrived more than max_staleness versions behind
-    dropped_episodes: int = 0  # in dropped batches, and in-flight on workers that died
+    dropped_episodes: int = 0  # in flight on workers that died or stalled
     worker_failures: int = 0  # workers that died or stalled and were restarted
     wait_s: float = 0.0  # trainer time spent waiting for a batch
 
@@ -128,7 +141,7 @@ class ExecutorStats:
 
     def clear(self) -> None:
         self.lags.clear()
-        self.dropped_batches = self.dropped_episodes = self.worker_failures = 0
+        self.dropped_episodes = self.worker_failures = 0
         self.wait_s = 0.0
 
 
@@ -166,7 +179,6 @@ class Executor(ABC):
 def lag_metrics(stats: ExecutorStats, prefix: str = "async/") -> dict[str, float]:
     """``async/lag_mean``, ``lag_max``, ``lag_<n>`` counts, drops, failures and wait time."""
     out = lag_histogram_metrics(stats.lags, prefix)
-    out[f"{prefix}dropped_batches"] = float(stats.dropped_batches)
     out[f"{prefix}dropped_episodes"] = float(stats.dropped_episodes)
     out[f"{prefix}worker_failures"] = float(stats.worker_failures)
     out[f"{prefix}wait_s"] = stats.wait_s

@@ -11,8 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tracegym.executors.base import Executor, RolloutBatch, tag_version
-from tracegym.rollout import RolloutResult
+from tracegym.executors.base import Executor, RolloutBatch, collect_batch
 
 
 class LocalExecutor(Executor):
@@ -25,17 +24,12 @@ class LocalExecutor(Executor):
         self.gap_model = gap_model  # measures the engine/trainer log-prob gap on the same weights
 
     def next_batch(self, step: int, cursor: int, round_index: int) -> RolloutBatch:
-        from tracegym.recipes.rl import collect_groups, tasks_at
+        from tracegym.recipes.rl import tasks_at
 
         tasks = tasks_at(self.train_tasks, self.cfg.seed, cursor, self.cfg.tasks_per_step)
-        # A dynamic-sampling round draws further tasks with a seed of its own.
-        seed = self.cfg.seed * 1_000_003 + step + round_index * 7_919_007
-        groups, result = collect_groups(self.sampler, self.cfg, tasks, self.renderer, gap_model=self.gap_model, seed=seed)
-        groups = tag_version(groups, self.version)
-        result = RolloutResult(trajectories=[t for g in groups for t in g.trajectories], stats=result.stats,
-                               failed=result.failed)
-        return RolloutBatch(index=step, version=self.version, tasks=list(tasks), groups=groups, result=result)
+        return collect_batch(self.sampler, self.cfg, self.renderer, tasks, step, self.version, "local",
+                             round_index=round_index, gap_model=self.gap_model)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        self.sampler.update_weights(model)  # the same object: this drops the engine's caches
+        # The sampler is the trainer's own engine on this very model: the recipe has synced it already.
         self.version = version

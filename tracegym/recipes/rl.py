@@ -64,6 +64,7 @@ from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import InjectionEnv, env_source
+from tracegym.executors.base import batch_seed
 from tracegym.executors.factory import make_executor
 from tracegym.eval.metrics import injection_figures
 from tracegym.render import get_renderer
@@ -382,7 +383,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     cursor += len(tasks)
                     if writer is not None:
                         writer.write_all(result.trajectories)
-                    seed = cfg.seed * 1_000_003 + step + rounds * 7_919_007
+                    seed = batch_seed(cfg.seed, step, rounds)
                     # 2. optional scoring steps (branching, KL in the reward, InfoPO), then one advantage per turn
                     new, estimated, kl_penalty = score_and_estimate(
                         new, tasks, cfg, loss_cfg, sampler=sampler, model=model, reference=reference, renderer=renderer,
