@@ -52,8 +52,12 @@ Factory = Union[Callable[..., Env], str]
 # Built-ins by "module:attribute"; nothing is imported until an env is made.
 BUILTIN_ENVS: dict[str, str] = {
     "calculator": "tracegym.environments.calculator:CalculatorEnv",
+    "calc_proposer": "tracegym.environments.calc_proposer:CalcProposerEnv",
+    "calc_relay": "tracegym.environments.calc_relay:CalcRelayEnv",
     "code": "tracegym.environments.code:CodeEnv",
     "frozenlake": "tracegym.environments.gridworld:FrozenLakeEnv",
+    "logic_grid": "tracegym.environments.logic_grid:LogicGridEnv",
+    "logic_grid_solo": "tracegym.environments.logic_grid:LogicGridSoloEnv",
     "sokoban": "tracegym.environments.gridworld:SokobanEnv",
     "search": "tracegym.environments.search:SearchEnv",
     "service": "tracegym.environments.service:ServiceEnv",
@@ -275,6 +279,8 @@ def make(name: str, **options: Any) -> Env:
         env = factory(**options)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"env {name!r}: {exc}") from exc
-    if not isinstance(env, Env):
-        raise TypeError(f"env {name!r}: factory returned {type(env).__name__}, not a tracegym Env")
+    from tracegym.envs.team import TeamEnv
+
+    if not isinstance(env, (Env, TeamEnv)):
+        raise TypeError(f"env {name!r}: factory returned {type(env).__name__}, not a tracegym Env or TeamEnv")
     return env
