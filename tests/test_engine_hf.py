@@ -363,7 +363,7 @@ def test_a_next_turn_reuses_the_previous_turns_keys_exactly(tiny, params):
     first = engine.generate(PROMPTS, params)
     assert _compare(first, plain.generate(PROMPTS, params)) < 1e-4
     kept = sum(len(p) + len(g.token_ids) - 1 for p, gens in zip(PROMPTS, first) for g in gens)
-    assert sorted(len(k) for k in engine._turns) == sorted(len(p) + len(g[0].token_ids) - 1 for p, g in zip(PROMPTS, first))
+    assert sorted(len(k) for _, k in engine._turns) == sorted(len(p) + len(g[0].token_ids) - 1 for p, g in zip(PROMPTS, first))
     second = _next_turns(PROMPTS, first)
     before = engine.prefill_tokens
     out = engine.generate(second, params)

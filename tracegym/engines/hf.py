@@ -173,7 +173,8 @@ class HFEngine(Engine):
         if turn_cache_mb < 0:
             raise ValueError("turn_cache_mb must be >= 0")
         self.turn_cache_bytes = int(turn_cache_mb * 2**20) if prefix_cache else 0
-        self._turns: OrderedDict[tuple[int, ...], _TurnKV] = OrderedDict()  # LRU: oldest first
+        # LRU (oldest first) keyed by (adapter name or None, tokens): keys/values depend on the adapter
+        self._turns: OrderedDict[tuple[str | None, tuple[int, ...]], _TurnKV] = OrderedDict()
         self._turn_bytes = 0
         # counters over the engine's life (benchmarks and tests read them):
         self.forward_calls = 0  # model forward passes
@@ -192,15 +193,29 @@ class HFEngine(Engine):
         return next(self.model.parameters()).device
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, adapters: Sequence[str] | None = None
+    ) -> list[list[Generation]]:
+        """``params.n`` samples of each prompt. ``adapters``: one LoRA adapter name per prompt (a
+        multi-adapter peft model; ``"__base__"`` for no adapter): rows of different adapters decode
+        in the same forward passes (peft's ``adapter_names``), each with its own adapter."""
         validate_params(params)
         if not prompts:
             return []
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
+        if adapters is not None:
+            adapters = [str(a) for a in adapters]
+            if len(adapters) != len(prompts):
+                raise ValueError(f"got {len(adapters)} adapter names for {len(prompts)} prompts")
+            known = set(getattr(self.model, "peft_config", {}) or {}) | {"__base__"}
+            unknown = sorted(set(adapters) - known)
+            if unknown:
+                raise ValueError(f"unknown adapter(s) {unknown}: the model has {sorted(known)}")
         # one row per (prompt, sample); rows sorted by length so each chunk carries little padding
         rows = [(pi, list(map(int, p))) for pi, p in enumerate(prompts) for _ in range(params.n)]
+        row_names = None if adapters is None else [adapters[pi] for pi, _ in rows]
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r][1]))
         generator = torch.Generator(device="cpu")
         if params.seed is not None:
@@ -214,7 +229,8 @@ class HFEngine(Engine):
             with torch.inference_mode():
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start : start + self.max_batch_size]
-                    outs = self._generate_chunk([rows[r][1] for r in chunk], params, generator)
+                    names = None if row_names is None else [row_names[r] for r in chunk]
+                    outs = self._generate_chunk([rows[r][1] for r in chunk], params, generator, names)
                     for r, g in zip(chunk, outs):
                         results[r] = g
         finally:
@@ -226,13 +242,18 @@ class HFEngine(Engine):
             grouped[pi].append(g)
         return grouped
 
-    def _forward(self, **kw: Any) -> torch.Tensor:
+    def _forward(self, names: list[str] | None = None, **kw: Any) -> torch.Tensor:
+        """Last-position logits [B, V]; ``names``: the adapter of each of the B rows (None: the
+        model's active adapter for every row)."""
         self.forward_calls += 1
+        if names is not None:
+            kw["adapter_names"] = list(names)
         out = self.model(use_cache=True, logits_to_keep=1, **kw)
         return out.logits[:, -1, :]  # [B, V]
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+        names: list[str] | None = None,
     ) -> list[Generation]:
         from transformers import DynamicCache
 
@@ -246,7 +267,7 @@ class HFEngine(Engine):
             return [self._make_generation(t, lp, "length") for t, lp in zip(tokens, logps)]
 
         cache = DynamicCache(config=getattr(self.model, "config", None))
-        logits, attention_mask, next_pos = self._prefill(prompts, cache)
+        logits, attention_mask, next_pos = self._prefill(prompts, cache, names)
         alive = list(range(n_rows))  # row index of each batch position still decoding
         greedy = params.temperature <= 0.0
         while True:
@@ -270,7 +291,8 @@ class HFEngine(Engine):
             if self.turn_cache_bytes:
                 kept = set(keep)
                 done = [b for b in range(len(alive)) if b not in kept]
-                self._remember(cache, attention_mask, [(b, prompts[alive[b]] + tokens[alive[b]][:-1]) for b in done])
+                self._remember(cache, attention_mask, [(b, prompts[alive[b]] + tokens[alive[b]][:-1]) for b in done],
+                               None if names is None else [names[alive[b]] for b in done])
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -283,6 +305,7 @@ class HFEngine(Engine):
                 alive = [alive[b] for b in keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(alive), 1))], dim=-1)
             logits = self._forward(
+                None if names is None else [names[row] for row in alive],
                 input_ids=chosen[:, None],
                 attention_mask=attention_mask,
                 position_ids=next_pos,
@@ -292,9 +315,9 @@ class HFEngine(Engine):
         return [self._make_generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish)]
 
     def _prefill(
-        self, prompts: list[list[int]], cache: Any
+        self, prompts: list[list[int]], cache: Any, names: list[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the chunk's prompts into ``cache``.
+        """Run the chunk's prompts into ``cache`` (``names``: each row's adapter, or None).
 
         Returns the last-position logits [B, V], the attention mask over the cache [B, K] and the
         position of each row's next token [B, 1].
@@ -302,21 +325,24 @@ class HFEngine(Engine):
         n_rows = len(prompts)
         if not self.prefix_cache:
             self.prefill_tokens += sum(len(p) for p in prompts)
-            return self._prefill_rows(prompts, cache, prefix_len=0)
-        # distinct prompts, in first-seen order; row_source[r] = index of row r's prompt among them
-        first_seen: dict[tuple[int, ...], int] = {}
-        row_source = [first_seen.setdefault(tuple(p), len(first_seen)) for p in prompts]
-        distinct = [list(p) for p in first_seen]
-        hits = self._take_turns(distinct, cache)
+            return self._prefill_rows(prompts, cache, prefix_len=0, names=names)
+        # distinct (adapter, prompt) pairs, in first-seen order; row_source[r] = index of row r's
+        # among them (keys and values depend on the adapter, so equal prompts of two adapters differ)
+        first_seen: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        row_source = [first_seen.setdefault((None if names is None else names[r], tuple(p)), len(first_seen))
+                      for r, p in enumerate(prompts)]
+        distinct = [list(p) for _, p in first_seen]
+        distinct_names = None if names is None else [name for name, _ in first_seen]
+        hits = self._take_turns(distinct, cache, distinct_names)
         if any(hit is not None for hit in hits):
             reused = sum(len(hit.tokens) for hit in hits if hit is not None)
             computed = sum(len(p) for p in distinct) - reused
             self.turn_tokens_reused += reused
-            logits, attention_mask, next_pos = self._prefill_after_turns(distinct, hits, cache)
+            logits, attention_mask, next_pos = self._prefill_after_turns(distinct, hits, cache, distinct_names)
         else:
-            prefix_len = self._shared_prefix_len(distinct, cache)
+            prefix_len = self._shared_prefix_len(distinct, cache, distinct_names)
             computed = prefix_len + sum(len(p) - prefix_len for p in distinct)
-            logits, attention_mask, next_pos = self._prefill_rows(distinct, cache, prefix_len)
+            logits, attention_mask, next_pos = self._prefill_rows(distinct, cache, prefix_len, distinct_names)
         self.prefill_tokens += computed
         self.prefix_tokens_reused += sum(len(p) for p in prompts) - computed
         if len(distinct) < n_rows:
@@ -339,11 +365,13 @@ class HFEngine(Engine):
 
         return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ()))
 
-    def _remember(self, cache: Any, attention_mask: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:
-        """Keep the real positions of finished batch rows ``b``, keyed by the tokens they hold."""
+    def _remember(self, cache: Any, attention_mask: torch.Tensor, rows: list[tuple[int, list[int]]],
+                  names: list[str] | None = None) -> None:
+        """Keep the real positions of finished batch rows ``b``, keyed by their adapter (``names``,
+        aligned with ``rows``) and the tokens they hold."""
         if not rows or not self._plain_layers(cache):
             return
-        for b, tokens in rows:
+        for i, (b, tokens) in enumerate(rows):
             where = attention_mask[b].nonzero().flatten()  # [n] real positions of row b
             if where.numel() != len(tokens) or len(tokens) == 0:
                 continue  # a stored row must match its key token for token
@@ -354,10 +382,11 @@ class HFEngine(Engine):
             )
             if entry.nbytes > self.turn_cache_bytes:
                 continue
-            old = self._turns.pop(entry.tokens, None)
+            key = (None if names is None else names[i], entry.tokens)
+            old = self._turns.pop(key, None)
             if old is not None:
                 self._turn_bytes -= old.nbytes
-            self._turns[entry.tokens] = entry
+            self._turns[key] = entry
             self._turn_bytes += entry.nbytes
             while self._turn_bytes > self.turn_cache_bytes:
                 _, evicted = self._turns.popitem(last=False)
@@ -375,7 +404,7 @@ class HFEngine(Engine):
                 high = mid - 1
         return low
 
-    def _take_turns(self, prompts: list[list[int]], cache: Any) -> list[_TurnKV | None]:
+    def _take_turns(self, prompts: list[list[int]], cache: Any, names: list[str] | None = None) -> list[_TurnKV | None]:
         """For each prompt, the kept keys/values of its longest prefix held in the store (a whole
         entry, or a part of at least ``min_shared_prefix`` tokens), or None. A prompt keeps at least one token of its own, so its
         last logits are computed. The usual hit is a whole entry (the episode's previous turn); a
@@ -385,22 +414,26 @@ class HFEngine(Engine):
         if not self._turns or not self._plain_layers(cache):
             return [None] * len(prompts)
         hits: list[_TurnKV | None] = []
-        superseded: set[tuple[int, ...]] = set()
-        for prompt in prompts:
+        superseded: set[tuple[str | None, tuple[int, ...]]] = set()
+        for i, prompt in enumerate(prompts):
             key = tuple(prompt)
-            best, best_len = None, 0
-            for tokens in self._turns:
+            name = None if names is None else names[i]
+            best, best_len, best_key = None, 0, None
+            for entry_key in self._turns:
+                if entry_key[0] != name:
+                    continue  # another adapter's keys and values
+                tokens = entry_key[1]
                 n = self._common_prefix(key, tokens)
                 n = min(n, len(key) - 1)
                 if n > best_len:
-                    best, best_len = tokens, n
+                    best, best_len, best_key = tokens, n, entry_key
             if best is None or (best_len < len(best) and best_len < self.min_shared_prefix):  # short parts: not worth it
                 hits.append(None)
                 continue
-            entry = self._turns[best]
-            self._turns.move_to_end(best)  # recently used
+            entry = self._turns[best_key]
+            self._turns.move_to_end(best_key)  # recently used
             if best_len == len(best):
-                superseded.add(best)
+                superseded.add(best_key)
                 hits.append(entry)
             else:  # the first best_len positions only (copies; the entry stays whole)
                 hits.append(_TurnKV(best[:best_len], [k[:, :best_len] for k in entry.keys],
@@ -410,7 +443,7 @@ class HFEngine(Engine):
         return hits
 
     def _prefill_after_turns(
-        self, prompts: list[list[int]], hits: list[_TurnKV | None], cache: Any
+        self, prompts: list[list[int]], hits: list[_TurnKV | None], cache: Any, names: list[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load each row's kept turn into ``cache`` right-aligned, then prefill the new tokens."""
         device = self.device
@@ -436,11 +469,13 @@ class HFEngine(Engine):
         cached_mask = torch.zeros((n_rows, width), dtype=torch.long)  # [pad | cached c_i] per row
         for i, c in enumerate(cached):
             cached_mask[i, width - c:] = 1
-        return self._prefill_suffixes([p[c:] for p, c in zip(prompts, cached)], cached_mask.to(device), cached, cache)
+        return self._prefill_suffixes([p[c:] for p, c in zip(prompts, cached)], cached_mask.to(device), cached, cache,
+                                      names)
 
-    def _shared_prefix_len(self, prompts: list[list[int]], cache: Any) -> int:
-        """Tokens of the common prefix worth computing once (0 when not worth it or not safe)."""
-        if len(prompts) < 2 or not self._plain_layers(cache):
+    def _shared_prefix_len(self, prompts: list[list[int]], cache: Any, names: list[str] | None = None) -> int:
+        """Tokens of the common prefix worth computing once (0 when not worth it or not safe, or when
+        the rows use different adapters: their keys and values differ)."""
+        if len(prompts) < 2 or not self._plain_layers(cache) or (names is not None and len(set(names)) > 1):
             return 0
         first, shortest = prompts[0], min(len(p) for p in prompts)
         common = 0
@@ -450,7 +485,7 @@ class HFEngine(Engine):
         return common if common >= self.min_shared_prefix else 0
 
     def _prefill_rows(
-        self, prompts: list[list[int]], cache: Any, prefix_len: int
+        self, prompts: list[list[int]], cache: Any, prefix_len: int, names: list[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill ``prompts`` (sharing their first ``prefix_len`` tokens when > 0) into ``cache``."""
         device = self.device
@@ -458,6 +493,7 @@ class HFEngine(Engine):
         if prefix_len > 0:
             prefix = torch.tensor([prompts[0][:prefix_len]], dtype=torch.long, device=device)  # [1, P]
             self._forward(
+                None if names is None else names[:1],
                 input_ids=prefix,
                 attention_mask=torch.ones_like(prefix),
                 position_ids=torch.arange(prefix_len, device=device)[None],
@@ -466,10 +502,12 @@ class HFEngine(Engine):
             cache.batch_repeat_interleave(n_rows)  # [1, H, P, D] -> [B, H, P, D] per layer
         # the cache holds the shared prefix for every row: [1]*P
         cached_mask = torch.ones((n_rows, prefix_len), dtype=torch.long, device=device)
-        return self._prefill_suffixes([p[prefix_len:] for p in prompts], cached_mask, [prefix_len] * n_rows, cache)
+        return self._prefill_suffixes([p[prefix_len:] for p in prompts], cached_mask, [prefix_len] * n_rows, cache,
+                                      names)
 
     def _prefill_suffixes(
-        self, suffixes: list[list[int]], cached_mask: torch.Tensor, cached_len: list[int], cache: Any
+        self, suffixes: list[list[int]], cached_mask: torch.Tensor, cached_len: list[int], cache: Any,
+        names: list[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run each row's new tokens (left-padded) after what ``cache`` already holds for it.
 
@@ -491,7 +529,7 @@ class HFEngine(Engine):
         position_ids = start + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
         attention_mask = torch.cat([cached_mask, suffix_mask], dim=-1)  # [B, C + S]
         logits = self._forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
+            names, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
         )
         return logits, attention_mask, position_ids[:, -1:] + 1
 
