@@ -152,6 +152,7 @@ class _Request:
     prompt: list[int]
     max_tokens: int
     future: asyncio.Future
+    adapter: str | None = None  # the LoRA adapter to sample with (team roles); None: the model as is
 
 
 class _Batcher:
@@ -168,9 +169,9 @@ class _Batcher:
         self.calls = 0
         self.rows = 0
 
-    async def generate(self, prompt: list[int], max_tokens: int) -> Generation:
+    async def generate(self, prompt: list[int], max_tokens: int, adapter: str | None = None) -> Generation:
         fut = asyncio.get_running_loop().create_future()
-        self.queue.append(_Request(prompt, max_tokens, fut))
+        self.queue.append(_Request(prompt, max_tokens, fut, adapter))
         self.wake.set()
         return await fut
 
@@ -216,7 +217,12 @@ class _Batcher:
             self.calls += 1
             self.rows += len(batch)
             try:
-                outs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in batch], params)
+                prompts = [r.prompt for r in batch]
+                if any(r.adapter is not None for r in batch):  # team roles: one call, each row its adapter
+                    outs = await asyncio.to_thread(self.engine.generate, prompts, params,
+                                                   adapters=[r.adapter or "__base__" for r in batch])
+                else:
+                    outs = await asyncio.to_thread(self.engine.generate, prompts, params)
                 if len(outs) != len(batch):
                     raise RuntimeError(f"engine returned {len(outs)} results for {len(batch)} prompts")
             except Exception as exc:  # noqa: BLE001 - reported per episode, never fatal
@@ -291,9 +297,10 @@ class _RenderedPolicy:
     one's tokens (:func:`run_prefixed_episodes`).
     """
 
-    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = ()):
+    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = (), adapter: str | None = None):
         self.runner = runner
         self.env = env
+        self.adapter = adapter  # a team role's LoRA adapter (token engines that take ``adapters=``)
         self.prompt: list[int] | None = None
         self.completion: list[int] = []
         self.prefix = tuple(prefix)
@@ -336,7 +343,7 @@ class _RenderedPolicy:
         runner = self.runner
         if runner.mode == "token":
             assert runner.batcher is not None
-            gen = await runner.batcher.generate(prompt, budget)
+            gen = await runner.batcher.generate(prompt, budget, self.adapter)
             try:
                 parsed = runner.renderer.parse_completion(gen.token_ids)
             except Exception as exc:  # noqa: BLE001

@@ -5,7 +5,9 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
 - Advantage estimators: ``compute_advantages(name, groups, options) -> [group][trajectory][turn]``:
   one advantage per assistant turn of every trajectory of every ``TrajectoryGroup``; registered:
   ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce`` (the episode's value on every turn) and
-  ``turn_rloo`` (per-turn rewards-to-go, leave-one-out baseline per turn index). The tensor math
+  ``turn_rloo`` (per-turn rewards-to-go, leave-one-out baseline per turn index), ``magrpo`` (teams:
+  a group baseline per (task, role)). Self-play's ``hierarchical_advantages`` (each level baselined
+  in its own groups) and ``learnability_reward`` (``valid * 4p(1-p)``) are plain functions. The tensor math
   behind them (``grpo_advantages(rewards [N], group_ids [N])`` ...) is exported too.
 - Policy losses: ``fn(inputs: LossInputs, opts) -> (per_token_loss [B, T], metrics)`` on
   target-aligned tensors (unmasked, unweighted, not aggregated), registered with their options
@@ -31,7 +33,8 @@ from torch import Tensor
 
 # importing each module registers it
 from tracegym.algos import dmpo, dpo, kto  # noqa: F401  (preference losses)
-from tracegym.algos import decoupled_ppo, dr_grpo, gigpo, gspo, grpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
+from tracegym.algos import decoupled_ppo, dr_grpo, gigpo, gspo, grpo, magrpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
+from tracegym.algos.hierarchical import hierarchical_advantages, learnability_reward
 from tracegym.algos.advantages import (
     EstimatorResult,
     TurnAdvantages,
@@ -73,6 +76,8 @@ from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advan
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "hierarchical_advantages",
+    "learnability_reward",
     "DMPOOptions",
     "DecoupledPPOOptions",
     "DPOOptions",
