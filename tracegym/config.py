@@ -499,6 +499,35 @@ class ExecutorConfig(_Section):
     """``ray``: restarts of dead or stalled rollout actors before the run fails."""
 
 
+class RoleConfig(_Section):
+    """One role of a team env (``roles:``): which LoRA adapter plays it and whether it trains."""
+
+    adapter: str | None = None
+    """The LoRA adapter that samples and trains this role (None: the role's own name). Roles that
+    name the same adapter share its weights and its optimizer (one shared policy)."""
+
+    init: str | None = None
+    """A saved adapter folder this role's adapter starts from (e.g. an SFT run's ``final``); None:
+    ``model.adapter``, else a fresh adapter."""
+
+    train: bool = True
+    """False: the role samples with its adapter but is never updated (a frozen partner)."""
+
+
+class SelfPlayConfig(_Section):
+    """Proposer / solver self-play (``roles: {proposer, solver}``): the proposer plays ``env`` (an env
+    whose episodes propose tasks, e.g. ``calc_proposer``), the solver plays ``solver_env`` on them."""
+
+    solver_env: str = "calculator"
+    """The env the proposed tasks are played in."""
+
+    solver_env_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of ``solver_env``."""
+
+    solver_attempts: int = Field(4, ge=2)
+    """Solver episodes per valid proposal: its pass rate p sets the proposer's reward 4p(1-p)."""
+
+
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
 
@@ -591,6 +620,14 @@ class RLConfig(_Section):
     """Where rollouts run: in the trainer's loop (``local``), a rollout thread or Ray actors, with
     bounded staleness (docs/scale.md)."""
 
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    """Team training (docs/multi_lora.md): role -> its LoRA adapter. With a team env (``logic_grid``,
+    ``calc_relay``) every role's turns are sampled in the same batches, each row with its role's
+    adapter, and each adapter is updated with its own optimizer; empty: one single-agent policy."""
+
+    selfplay: SelfPlayConfig | None = None
+    """Proposer / solver self-play (needs ``roles`` with ``proposer`` and ``solver``)."""
+
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
@@ -603,6 +640,19 @@ class RLConfig(_Section):
     def _check(self) -> "RLConfig":
         if self.model.adapter and not self.lora.enabled:
             raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
+        if self.roles or self.selfplay is not None:
+            if not self.lora.enabled:
+                raise ValueError("roles: a team trains one LoRA adapter per role; set lora.enabled: true")
+            if self.executor.kind != "local" or self.rollout.strategy != "chains" or self.advantage.intrinsic != "none" \
+                    or self.resample_rounds:
+                raise ValueError("roles: team training runs with executor.kind local, rollout.strategy chains, "
+                                 "no advantage.intrinsic and no resample_rounds")
+            if self.rollout.engine not in ("hf", "vllm"):
+                raise ValueError("roles: rollout.engine must be hf or vllm (engines that sample per-row LoRA adapters)")
+            if self.roles and not any(role.train for role in self.roles.values()):
+                raise ValueError("roles: at least one role must train (train: true)")
+        if self.selfplay is not None and set(self.roles) != {"proposer", "solver"}:
+            raise ValueError(f"selfplay needs roles: {{proposer, solver}}, got {sorted(self.roles)}")
         if self.executor.kind != "local":
             # These steps sample from the policy inside the trainer's step; a remote or concurrent
             # sampler cannot serve them there.

@@ -20,9 +20,10 @@ __all__ = ["hierarchical_advantages", "learnability_reward"]
 def learnability_reward(valid: bool, pass_rate: float) -> float:
     """``valid * 4 p (1 - p)``: 1 at p = 0.5, 0 for problems always or never solved (nothing to
     learn from) and for invalid ones."""
-    if not 0.0 <= pass_rate <= 1.0:
-        raise ValueError(f"pass_rate must be in [0, 1], got {pass_rate}")
-    return float(valid) * 4.0 * pass_rate * (1.0 - pass_rate)
+    p = float(pass_rate)
+    if not 0.0 <= p <= 1.0:  # also refuses NaN
+        raise ValueError(f"pass_rate must be in [0, 1], got {pass_rate!r}")
+    return 4.0 * p * (1.0 - p) if valid else 0.0
 
 
 def hierarchical_advantages(groups: Sequence[Sequence[float]]) -> list[list[float]]:

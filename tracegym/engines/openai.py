@@ -39,6 +39,17 @@ it, retries once with ``max_tokens`` and keeps that; a 400 naming one of vLLM's 
 naming ``n`` makes the engine ask one choice per request. ``n`` choices of one request are all kept
 (``chat_samples``, ``generate``): a group of G samples for one prompt is one request with ``n=G``.
 
+LoRA adapters on a vLLM server (``vllm serve BASE --enable-lora --max-loras 4 --max-lora-rank 16``
+with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``generate(prompts, params, adapters=[...])`` sends
+each prompt's request with ``model=<that adapter's served name>`` (the base ``model`` for
+``"__base__"`` or None); ``load_adapter(name, path)`` / ``unload_adapter(name)`` POST to vLLM's
+``/load_lora_adapter`` / ``/unload_lora_adapter`` (``{"lora_name", "lora_path"}``; the path is read
+by the server, so it must be on its filesystem). ``update_adapter(name, path)`` hot-swaps new
+weights: it loads them under a new served name ``<name>-v<k>`` (a new name gets a new id from the
+server, and vLLM >= 0.11.1 keys prefix-cache blocks by adapter name, so reusing the name could serve
+KV computed with the old weights, vllm-project/vllm#30931), routes ``name`` to it, then unloads the
+previous version. See docs/multi_lora.md.
+
 The API key is read from the environment variable named by ``api_key_env`` (default
 ``OPENAI_API_KEY``) when the engine is built. It is sent only in the ``Authorization`` header; it
 never appears in ``repr``, logs, error messages (every error text is redacted) or trajectories.
@@ -281,6 +292,29 @@ def _error_names(detail: str, field: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(field)}(?![A-Za-z0-9_])", message) is not None
 
 
+# the adapter name that means "the base model, no LoRA" (as in the hf and vllm engines)
+BASE_ADAPTER = "__base__"
+
+
+def _server_message(text: str) -> str:
+    """The error message of a server's answer (vLLM: ``{"error": {"message"}}``, older vLLM
+    ``{"message"}``, FastAPI ``{"detail"}``), else the body itself, on one line."""
+    message: Any = text
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            message = err.get("message") or err.get("detail") or data.get("detail") or text
+        elif isinstance(err, str):
+            message = err
+    elif isinstance(data, str):
+        message = data
+    return " ".join(str(message).split())[:300]
+
+
 # a different seed per prompt of one generate call: requests are seeded one by one on the server, and
 # the G prompts of a group are often equal (turn 0), so one shared seed would draw G equal samples
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -384,6 +418,8 @@ class OpenAIEngine(Engine):
         self.requests = 0  # HTTP attempts, retries included
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
         self.samples = {"server": 0, "local": 0, "misaligned": 0}  # where the ids of each sample came from
+        self._served: dict[str, str] = {}  # adapter name -> the name its current version is served under
+        self._adapter_versions: dict[str, int] = {}
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -652,9 +688,10 @@ class OpenAIEngine(Engine):
         return self.chat_with_errors(messages, tools, params).message
 
     # -- token-in completions -------------------------------------------------------------------------
-    def completion_body(self, prompt: Sequence[int], params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    def completion_body(self, prompt: Sequence[int], params: SamplingParams, seed: int | None,
+                        model: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model_name,
+            "model": model or self.model_name,
             "prompt": [int(t) for t in prompt],  # token ids: the server sees exactly this prompt
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -675,8 +712,9 @@ class OpenAIEngine(Engine):
         body.update(self.extra_body)
         return self._adapted(body)
 
-    def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Sample]:
-        pairs = self._choices("/completions", self.completion_body(prompt, params, seed), params.n)
+    def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None,
+                  model: str | None = None) -> list[Sample]:
+        pairs = self._choices("/completions", self.completion_body(prompt, params, seed, model), params.n)
         stop_ids = self._stop_ids(params)
         out = []
         for choice, data in pairs:
@@ -694,28 +732,41 @@ class OpenAIEngine(Engine):
             out.append(_cut_at_stop(sample, stop_ids))
         return out
 
-    def completion_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
+    def completion_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                           adapters: Sequence[str | None] | None = None) -> list[list[Sample]]:
         """For each token-id prompt, ``params.n`` samples from ``POST /completions`` (one request per
-        prompt with ``n``, up to ``max_concurrency`` in flight), with where their ids came from."""
+        prompt with ``n``, up to ``max_concurrency`` in flight), with where their ids came from.
+        ``adapters``: one LoRA adapter name per prompt, sent as that request's ``model``
+        (``model_for``)."""
         rows = [[int(t) for t in p] for p in prompts]
         for i, row in enumerate(rows):
             if not row:
                 raise ValueError(f"prompt {i} is empty")
-        jobs = [(row, _seed_for(params.seed, i)) for i, row in enumerate(rows)]
+        if adapters is None:
+            models: list[str | None] = [None] * len(rows)
+        else:
+            if isinstance(adapters, str):
+                raise TypeError("adapters is one adapter name per prompt (a list), not a single string")
+            if len(adapters) != len(rows):
+                raise ValueError(f"adapters has {len(adapters)} names for {len(rows)} prompts: give one per prompt")
+            models = [self.model_for(a) for a in adapters]
+        jobs = [(row, _seed_for(params.seed, i), model) for i, (row, model) in enumerate(zip(rows, models))]
         if len(jobs) <= 1:
-            return [self._complete(row, params, seed) for row, seed in jobs]
+            return [self._complete(row, params, seed, model) for row, seed, model in jobs]
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="tracegym-openai")
             pool = self._pool
-        return list(pool.map(lambda job: self._complete(job[0], params, job[1]), jobs))
+        return list(pool.map(lambda job: self._complete(job[0], params, job[1], job[2]), jobs))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 adapters: Sequence[str | None] | None = None) -> list[list[Generation]]:
         """Token in, token out (``POST /completions`` with token-id prompts): ``params.n``
         generations per prompt, as ``HFEngine.generate`` returns them. With ``token_ids="server"``
         a reply without ids raises (unless ``allow_retokenized``): ids re-encoded from text must not
-        pass for sampled ones."""
-        samples = self.completion_samples(prompts, params)
+        pass for sampled ones. ``adapters``: one LoRA adapter name per prompt (``"__base__"`` or
+        None: the base model), each request sent with ``model=`` that adapter's served name."""
+        samples = self.completion_samples(prompts, params, adapters)
         if self.token_ids == "server" and not self.allow_retokenized:
             missing = sum(s.retokenized for row in samples for s in row)
             if missing:
@@ -724,6 +775,84 @@ class OpenAIEngine(Engine):
                     f"{', '.join(ID_EXTENSIONS)}); use a server that returns them (vLLM >= 0.10.2, tracegym serve), "
                     "or token_ids: local with allow_retokenized: true to accept re-tokenized ids")
         return [[s.generation for s in row] for row in samples]
+
+    # -- LoRA adapters on a vLLM server ---------------------------------------------------------------
+    def model_for(self, adapter: str | None) -> str:
+        """The ``model`` a request for ``adapter`` is sent with: the base model for ``"__base__"`` or
+        None, the served name of its current version after ``update_adapter``, else the name
+        itself (an adapter loaded with ``load_adapter`` or the server's ``--lora-modules``)."""
+        if adapter is None or adapter == BASE_ADAPTER:
+            return self.model_name
+        with self._lock:
+            return self._served.get(adapter, adapter)
+
+    def _adapter_post(self, path: str, body: dict[str, Any], doing: str) -> str:
+        """POST to one of vLLM's adapter endpoints, once (a retried load could find the adapter
+        loaded by the lost attempt); returns the server's text (vLLM answers ``Success: ...``),
+        raises ``OpenAIEngineError`` with one line naming what failed and the server's message."""
+        with self._lock:
+            self.requests += 1
+        url = f"{self.base_url}{path}"
+        try:
+            response = self._client.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise OpenAIEngineError(self._redact(f"{doing} on {url} failed: {type(exc).__name__}: {exc}")) from None
+        if response.status_code >= 400:
+            message = _server_message(response.text)
+            hint = ""
+            if response.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+                hint = (" (no such endpoint: start vLLM with --enable-lora and the environment variable "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+            raise OpenAIEngineError(self._redact(f"{doing} on {url} failed (HTTP {response.status_code}): {message}{hint}"),
+                                    response.status_code, self._redact(response.text[:4000]))
+        return response.text
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> str:
+        """Load the LoRA adapter saved in ``path`` (a folder with ``adapter_config.json``, on the
+        server's filesystem) under the served name ``name``: ``POST /load_lora_adapter``. Requests
+        for it then go with ``model=name``. Returns the server's answer."""
+        if not name or name == BASE_ADAPTER:
+            raise ValueError(f"adapter name must be a non-empty string other than {BASE_ADAPTER!r}, got {name!r}")
+        lora_path = os.fspath(path)
+        return self._adapter_post("/load_lora_adapter", {"lora_name": name, "lora_path": lora_path},
+                                  f"loading LoRA adapter {name!r} from {lora_path!r}")
+
+    def unload_adapter(self, name: str) -> str:
+        """Unload a LoRA adapter: ``POST /unload_lora_adapter``. ``name`` is a served name, or an
+        adapter name given to ``update_adapter`` (its current version is unloaded and forgotten)."""
+        with self._lock:
+            served = self._served.pop(name, name)
+        return self._adapter_post("/unload_lora_adapter", {"lora_name": served},
+                                  f"unloading LoRA adapter {served!r}")
+
+    def update_adapter(self, name: str, path: str | os.PathLike[str]) -> str:
+        """Hot-swap adapter ``name`` to the weights saved in ``path`` (on the server's filesystem):
+        loads them under a new served name ``<name>-v<k>``, sends ``name``'s requests there from now
+        on, then unloads the previous version (a failure to unload is logged, not raised: the new
+        version is already in use). Returns the new served name."""
+        if not name or name == BASE_ADAPTER:
+            raise ValueError(f"adapter name must be a non-empty string other than {BASE_ADAPTER!r}, got {name!r}")
+        with self._lock:
+            version = self._adapter_versions.get(name, 0) + 1
+            self._adapter_versions[name] = version
+        served = f"{name}-v{version}"
+        self.load_adapter(served, path)
+        with self._lock:
+            previous = self._served.get(name)
+            self._served[name] = served
+        if previous is not None:
+            try:
+                self._adapter_post("/unload_lora_adapter", {"lora_name": previous},
+                                   f"unloading LoRA adapter {previous!r}")
+            except OpenAIEngineError as exc:
+                log.warning("%s (the new version %r is in use)", exc, served)
+        return served
+
+    @property
+    def served_adapters(self) -> dict[str, str]:
+        """Adapter name -> the served name of its current version (``update_adapter``)."""
+        with self._lock:
+            return dict(self._served)
 
     def models(self) -> list[str]:
         try:

@@ -43,6 +43,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from tracegym.algos.hierarchical import learnability_reward  # noqa: F401  (re-exported: the proposer's reward)
 from tracegym.envs.base import Task
 from tracegym.envs.tasks import distinct_tasks, parse_int_range
 from tracegym.envs.tools import ToolEnv, tool
@@ -152,16 +153,6 @@ def check_proposal(question: str, expression: str, num_calls: int) -> ProposalCh
     if re.sub(r"\s+", "", expression) in re.sub(r"\s+", "", text):
         return ProposalCheck(False, 9, operators, answer)
     return ProposalCheck(True, 0, operators, answer)
-
-
-def learnability_reward(valid: bool, pass_rate: float) -> float:
-    """The proposer's self-play reward (Tool-R0): ``valid * 4 * p * (1 - p)`` for the solvers'
-    pass rate ``p`` on the proposed problem: 1.0 at p = 0.5, 0.0 for a problem every solver
-    solves or none does (nothing to learn), and 0.0 for an invalid proposal."""
-    p = float(pass_rate)
-    if not 0.0 <= p <= 1.0:  # also refuses NaN
-        raise ValueError(f"pass_rate must be in [0, 1], got {pass_rate!r}")
-    return 4.0 * p * (1.0 - p) if valid else 0.0
 
 
 def compose_templates(templates: Sequence[str]) -> str:

@@ -314,6 +314,16 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     """
     from tracegym.envs import make
 
+    if cfg.selfplay is not None:  # proposer / solver self-play: its own flat loop (recipes/selfplay.py)
+        from tracegym.recipes.selfplay import train_selfplay
+
+        done = train_selfplay(cfg, resume=resume, stop_at_step=stop_at_step)
+        return RLResult(done.run_dir, done.final_dir, done.step, done.history)
+    if cfg.roles:  # a team: one LoRA adapter per role on one base (recipes/team.py)
+        from tracegym.recipes.team import train_team
+
+        done = train_team(cfg, resume=resume, stop_at_step=stop_at_step)
+        return RLResult(done.run_dir, done.final_dir, done.step, done.history)
     run_dir = Path(cfg.output_dir)
     if not resume and list_checkpoints(run_dir):
         raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")

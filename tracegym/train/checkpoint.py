@@ -509,20 +509,25 @@ def write_legacy_config(folder: str | Path) -> None:
         file.write_text(json.dumps(legacy_config_fields(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: str | Path, info: dict[str, Any]) -> Path:
+def write_model_folder(model: torch.nn.Module | None, tokenizer: Any, folder: str | Path, info: dict[str, Any],
+                       write_weights: Any | None = None) -> Path:
     """Write a portable model folder (not atomically; see :func:`save_final`): the adapter (LoRA) or
     the whole model as safetensors, the tokenizer with the renderer's tool-aware chat template,
     ``tracegym.json`` (``info``), a config.json transformers 4.x reads the same, and the file modes
     the umask gives. ``info["base_model"]`` is recorded as a portable name (``smollm2-135m``, not a
     cache path), in ``tracegym.json`` and in an adapter's ``adapter_config.json``; ``info["renderer"]``
-    (else the base model) picks the chat template."""
+    (else the base model) picks the chat template. ``write_weights(folder, base_model)`` writes the
+    weights instead of ``model`` (one adapter of an ``AdapterPool``)."""
     from tracegym.models import portable_model_name
 
     folder = Path(folder)
     info = dict(info)
     if info.get("base_model") is not None:
         info["base_model"] = portable_model_name(str(info["base_model"]))
-    save_weights(model, folder, base_model=info.get("base_model"))
+    if write_weights is not None:
+        write_weights(folder, info.get("base_model"))
+    else:
+        save_weights(model, folder, base_model=info.get("base_model"))
     template = renderer_chat_template(info.get("renderer") or info.get("base_model"), tokenizer)
     save_tokenizer(tokenizer, folder, template)
     write_legacy_config(folder)
@@ -542,6 +547,32 @@ def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info
     try:
         tmp.mkdir()
         write_model_folder(model, tokenizer, tmp, info)
+        _fsync_tree(tmp)
+        if final.exists():
+            _remove_dir(final)
+        os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_team_final(pool: Any, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
+    """Write ``run_dir/final`` atomically for an ``AdapterPool``: one portable model folder per
+    adapter (``final/<adapter>``, each loadable like a single run's ``final``) and ``team.json``
+    (``info``, e.g. which role plays with which adapter). Returns the folder."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / "final"
+    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        for name in pool.names:
+            write_model_folder(None, tokenizer, tmp / name, {**info, "adapter": name},
+                               write_weights=lambda folder, base, name=name: pool.save(name, folder, base_model=base))
+        (tmp / "team.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+        normalize_permissions(tmp)
         _fsync_tree(tmp)
         if final.exists():
             _remove_dir(final)

@@ -1,0 +1,215 @@
+"""Team episodes and team RL on the tiny random model: every role's turns share engine batches with
+per-row adapters, per-role trajectories share an episode id, a step trains only the adapters that
+train, resume is exact, a shared adapter is one policy, failures stay in their episode, and the
+team envs run end to end with their scripted experts.
+
+``LetterTeam`` (defined here): alice and bob reply once each (alice first on even tasks, bob first on
+odd ones, so one engine batch holds both roles); the team is rewarded when alice's reply contains
+"m" and bob's contains "e" (a random model's few-token replies hit each often enough that groups
+carry signal)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+from tracegym.config import RLConfig, load_config
+from tracegym.envs import register, unregister
+from tracegym.envs.base import Task
+from tracegym.envs.episode import message_policy
+from tracegym.envs.team import TeamEnv, TeamStep, play_team_episode
+from tracegym.recipes.rl import train_rl
+from tracegym.render import get_renderer
+from tracegym.rollout import RolloutConfig
+from tracegym.rollout_team import group_by_role, run_team_rollouts_sync
+from tracegym.train.logging import read_metrics
+from tracegym.types import Message
+
+NON_DETERMINISTIC = ("time", "rss_mb", "time/", "rollout/tokens_per_s", "train/tokens_per_s")
+
+
+class LetterTeam(TeamEnv):
+    name = "test-letter-team"
+    roles = ("alice", "bob")
+
+    def __init__(self, fail_on: str | None = None):
+        self.fail_on = fail_on
+        self.said: dict[str, str] = {}
+        self.task: Task | None = None
+
+    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
+        offset = 0 if split == "train" else 10_000
+        return [Task(id=f"{split}-{seed}-{i}", split=split, data={"word": f"w{offset + i}", "bob_first": i % 2 == 1})
+                for i in range(n)]
+
+    def tool_schemas(self, role: str) -> list[dict[str, Any]]:
+        return []
+
+    async def reset(self, task: Task) -> dict[str, list[Message]]:
+        self.task, self.said = task, {}
+        return {role: [Message(role="system", content=f"You are {role}. Reply with one word."),
+                       Message(role="user", content=f"Word {task.data['word']}")] for role in self.roles}
+
+    def next_role(self) -> str | None:
+        assert self.task is not None
+        order = self.roles[::-1] if self.task.data["bob_first"] else self.roles
+        return next((r for r in order if r not in self.said), None)
+
+    async def step(self, role: str, message: Message, parse_errors: Sequence[str] = ()) -> TeamStep:
+        assert self.task is not None
+        if self.fail_on is not None and self.task.id == self.fail_on:
+            raise RuntimeError("injected env failure")
+        self.said[role] = message.content
+        partner = "bob" if role == "alice" else "alice"
+        if len(self.said) == 1:
+            return TeamStep(views={partner: (Message(role="user", content=f"{role} says: {message.content}"),)})
+        win = "m" in self.said["alice"] and "e" in self.said["bob"]
+        return TeamStep(reward=float(win), terminated=True, info={"success": win})
+
+    def expert_action(self, role: str) -> Message:
+        return Message(role="assistant", content="m" if role == "alice" else "e")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def letter_team():
+    register("test-letter-team", LetterTeam, overwrite=True)
+    yield
+    unregister("test-letter-team")
+
+
+def _config(out: Path, *overrides: str, roles: dict | None = None) -> RLConfig:
+    data = {
+        "model": {"name": "tiny-random"},
+        "lora": {"enabled": True, "r": 4},
+        "optim": {"lr": 2e-3},
+        "env": {"name": "test-letter-team"},
+        "roles": roles if roles is not None else {"alice": {}, "bob": {}},
+        "advantage": {"estimator": "magrpo"},
+        "tasks": {"train": 6, "test": 2, "seed": 0},
+        "tasks_per_step": 3,
+        "group_size": 4,
+        "rollout": {"max_turns": 2, "max_tokens_per_turn": 3, "temperature": 1.0, "concurrency": 16},
+        "steps": 2,
+        "micro_batch_size": 8,
+        "eval": {"every": 0, "samples_per_task": 2, "at_start": False},
+        "checkpoint": {"every": 1},
+        "logging": {"progress": False},
+        "output_dir": str(out),
+    }
+    return load_config(RLConfig, data=data, overrides=list(overrides))
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0]
+    return [{k: v for k, v in r.items() if not any(k.startswith(p) or k == p for p in NON_DETERMINISTIC)} for r in rows]
+
+
+def _adapter_tensors(final: Path, name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(final / name / "adapter_model.safetensors"))
+
+
+def test_team_episode_gives_per_role_trajectories_with_one_episode_id():
+    env = LetterTeam()
+    task = env.tasks("test", 1)[0]
+    trajectories = asyncio.run(play_team_episode(
+        LetterTeam, task, lambda e: {r: message_policy(lambda r=r: e.expert_action(r)) for r in e.roles}))
+    assert [t.info["role"] for t in trajectories] == ["alice", "bob"]
+    assert len({t.info["episode_id"] for t in trajectories}) == 1
+    assert all(t.reward == 1.0 and t.success for t in trajectories)
+    alice, bob = trajectories
+    # partial views: bob is told what alice said, alice never sees bob's message
+    assert any(m.content == "alice says: m" for m in bob.messages)
+    assert not any(m.role == "assistant" and m.content == "e" for m in alice.messages)
+
+
+def test_env_failure_fails_only_its_episode(tokenizer):
+    renderer = get_renderer("smollm2-135m", tokenizer)
+    tasks = LetterTeam().tasks("train", 3)
+    result = run_team_rollouts_sync(lambda: LetterTeam(fail_on=tasks[1].id), tasks, "expert", renderer,
+                                    RolloutConfig(max_turns=2, samples_per_task=2, on_env_error="exclude"))
+    assert result.stats.failed == 2 and result.stats.kept == 4
+    assert {t.task_id for t in result.failed} == {tasks[1].id}
+    assert all(t.reward == 1.0 for t in result.trajectories)
+    assert len(group_by_role(result.trajectories)) == 4  # (2 tasks) x (2 roles)
+
+
+def test_roles_sample_in_the_same_engine_calls_with_their_adapters(tmp_path, monkeypatch):
+    from tracegym.engines.hf import HFEngine
+
+    calls: list[list[str] | None] = []
+    original = HFEngine.generate
+
+    def spy(self, prompts, params, adapters=None):
+        calls.append(None if adapters is None else list(adapters))
+        return original(self, prompts, params, adapters=adapters)
+
+    monkeypatch.setattr(HFEngine, "generate", spy)
+    train_rl(_config(tmp_path / "run", "steps=1"))
+    assert calls and all(c is not None for c in calls)
+    assert any(set(c) == {"alice", "bob"} for c in calls), calls  # mixed-role batches happened
+    assert max(len(c) for c in calls) > 4
+
+
+def test_team_run_trains_each_adapter_and_writes_per_role_folders(tmp_path):
+    result = train_rl(_config(tmp_path / "run", roles={"alice": {}, "bob": {"train": False}}))
+    final = result.final_dir
+    assert final is not None and (final / "team.json").is_file()
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0]
+    assert "adapter/alice/train/loss" in rows[-1] and "adapter/bob/train/loss" not in rows[-1]
+    assert {"role/alice/reward", "role/bob/reward", "reward/mean"} <= set(rows[-1])
+    # bob is frozen: its adapter is exactly the fresh one (B = 0); alice's moved
+    bob = _adapter_tensors(final, "bob")
+    assert all(torch.count_nonzero(v) == 0 for k, v in bob.items() if "lora_B" in k)
+    alice = _adapter_tensors(final, "alice")
+    assert any(torch.count_nonzero(v) > 0 for k, v in alice.items() if "lora_B" in k)
+    # each folder is a portable adapter of its own
+    from tracegym.models import load
+
+    model, _ = load(str(final / "alice"))
+    assert model is not None
+
+
+def test_shared_adapter_is_one_policy(tmp_path):
+    result = train_rl(_config(tmp_path / "run", "steps=1", roles={"alice": {"adapter": "team"}, "bob": {"adapter": "team"}}))
+    assert sorted(p.name for p in result.final_dir.iterdir() if p.is_dir()) == ["team"]
+    row = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0][-1]
+    assert row["adapter/team/examples"] > 0 and "role/alice/reward" in row
+
+
+def test_team_resume_matches_straight_run_exactly(tmp_path):
+    straight = train_rl(_config(tmp_path / "a", "steps=3"))
+    stopped = train_rl(_config(tmp_path / "b", "steps=3"), stop_at_step=1)
+    assert stopped.final_dir is None and stopped.step == 1
+    resumed = train_rl(_config(tmp_path / "b", "steps=3"), resume=True)
+    assert _rows(tmp_path / "a") == _rows(tmp_path / "b")
+    for name in ("alice", "bob"):
+        a, b = _adapter_tensors(straight.final_dir, name), _adapter_tensors(resumed.final_dir, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_mistakes_are_named(tmp_path):
+    with pytest.raises(ValueError, match="has roles"):
+        train_rl(_config(tmp_path / "r1", roles={"alice": {}, "carol": {}}))
+    with pytest.raises(ValueError, match="not a team env"):
+        train_rl(_config(tmp_path / "r2", "env.name=calculator", roles={"alice": {}}))
+    with pytest.raises(ValueError, match="lora.enabled"):
+        _config(tmp_path / "r3", "lora.enabled=false")
+
+
+@pytest.mark.parametrize("env", ["calc_relay", "logic_grid"])
+def test_builtin_team_envs_run_with_the_expert_team(env, tokenizer):
+    from tracegym.envs import make
+
+    renderer = get_renderer("smollm2-135m", tokenizer)
+    tasks = make(env).tasks("test", 6)
+    result = run_team_rollouts_sync(env, tasks, "expert", renderer, RolloutConfig(max_turns=8))
+    assert result.stats.success_rate == 1.0 and result.stats.failed == 0
+    # the expert's turns are token data (SFT-ready), per role
+    roles = {t.info["role"] for t in result.trajectories}
+    assert roles == set(make(env).roles) and all(t.turns for t in result.trajectories)

@@ -1,0 +1,274 @@
+"""Team RL (``tracegym rl`` with ``roles:``): several LoRA adapters on one base model, trained together.
+
+One step, top to bottom (``train_team`` reads exactly like this)::
+
+    tasks   = tasks_at(train_tasks, seed, cursor, tasks_per_step)
+    result  = run_team_rollouts(env, tasks, sampler, adapters=role->adapter)  # every role's turns in the
+                                                                              # same batches, each row its adapter
+    groups  = group_by_role(result.trajectories)          # one group per (task, role)
+    adv     = estimate("magrpo", groups)                   # joint reward - mean over the task's samples, per role
+    for adapter in trained adapters:                       # each with its own AdamW and schedule
+        data    = examples_from_groups(its roles' groups, renderer, adv)
+        with pool.training(adapter):                       # only this adapter has requires_grad
+            batch   = score_batch(model, None, make_batch(data))
+            metrics = policy_update(model, batch, loss, pool.optimizers[adapter], pool.schedulers[adapter])
+    sampler.update_weights(pool.model)                     # the hf engine holds this very model
+    log(step, metrics); maybe_evaluate(step); maybe_checkpoint(step)
+
+``roles:`` maps each role of the env to an adapter (``adapter:``, default the role's name). Two roles
+naming one adapter share a policy (one set of weights, one optimizer: the "shared adapter" baseline);
+``train: false`` freezes a role's adapter (a fixed partner); ``init:`` starts an adapter from a saved
+one (an SFT run's ``final``), else ``model.adapter`` or a fresh LoRA. Checkpoints hold every adapter's
+weights, optimizer and schedule (``AdapterPool.state_dict``) plus the RNG states and the task cursor:
+a killed run resumes exactly. ``final/<adapter>`` are portable adapter folders (``tracegym eval
+--model runs/x/final/solver`` evaluates one on a single-agent env), ``final/team.json`` says which
+role each one plays.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tracegym.algos import estimate, estimator_problems, has_signal
+from tracegym.algos.config import PolicyLossConfig
+from tracegym.batch import examples_from_groups, make_batch
+from tracegym.config import RLConfig, dump_config
+from tracegym.data.store import TrajectoryWriter
+from tracegym.executors.base import batch_seed
+from tracegym.rollout import RolloutConfig, RolloutResult
+from tracegym.rollout_team import group_by_role, role_of, run_team_rollouts_sync
+from tracegym.train.adapter_pool import AdapterPool
+from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
+from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.lora import count_parameters
+from tracegym.train.policy_update import policy_update, score_batch
+from tracegym.train.result import TrainResult
+from tracegym.train.seed import seed_everything
+from tracegym.types import Trajectory, TrajectoryGroup
+
+__all__ = ["build_pool", "evaluate_team", "role_adapters", "team_metrics", "train_team"]
+
+
+def role_adapters(cfg: RLConfig) -> dict[str, str]:
+    """role -> the adapter that plays it (``roles.<role>.adapter``, default the role's name)."""
+    return {role: rc.adapter or role for role, rc in cfg.roles.items()}
+
+
+def build_pool(cfg: RLConfig, base: torch.nn.Module) -> AdapterPool:
+    """One adapter per distinct ``roles.*.adapter``, started from the first ``init`` that names it
+    (else ``model.adapter``, else fresh), each with its own optimizer over ``steps * ppo_epochs``."""
+    adapters = role_adapters(cfg)
+    init: dict[str, str | None] = {}
+    for role, adapter in adapters.items():
+        init.setdefault(adapter, cfg.roles[role].init or cfg.model.adapter)
+    names = list(dict.fromkeys(adapters.values()))
+    return AdapterPool(base, {name: cfg.lora for name in names}, init=init, optim=cfg.optim,
+                       total_steps=cfg.steps * cfg.ppo_epochs)
+
+
+def episode_heads(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """The first role trajectory of each team episode (one per episode: its success and reward are
+    the team's)."""
+    seen: set[str] = set()
+    out = []
+    for t in trajectories:
+        key = str(t.info.get("episode_id", id(t)))
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def team_metrics(groups: Sequence[TrajectoryGroup], result: RolloutResult) -> dict[str, float]:
+    """Team reward and success (per episode), and per role: reward, turns, generated tokens."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    heads = episode_heads(trajectories)
+    mean = lambda values: float(statistics.fmean(values)) if values else 0.0  # noqa: E731
+    out = {
+        "reward/mean": mean([t.reward for t in heads]),
+        "reward/std": float(np.std([t.reward for t in heads])) if heads else 0.0,
+        "success_rate": mean([float(t.success) for t in heads]),
+        "episode/turns": mean([float(t.info.get("team_turns", len(t.turns))) for t in heads]),
+        "episode/generated_tokens": mean([sum(x.num_generated_tokens for x in trajectories
+                                              if x.info.get("episode_id") == h.info.get("episode_id")) for h in heads]),
+        "env/errors": float(result.stats.failed),
+        "rollout/tokens_per_s": result.stats.tokens_per_s,
+        "rollout/generated_tokens": float(result.stats.generated_tokens),
+        "rollout/mean_batch_size": result.stats.mean_batch_size,
+    }
+    for reason, count in result.stats.end_reasons.items():
+        out[f"end/{reason}"] = float(count)
+    by_role: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_role.setdefault(role_of(t) or "agent", []).append(t)
+    for role, ts in by_role.items():
+        out[f"role/{role}/reward"] = mean([t.reward for t in ts])
+        out[f"role/{role}/turns"] = mean([len(t.turns) for t in ts])
+        out[f"role/{role}/generated_tokens"] = mean([t.num_generated_tokens for t in ts])
+        out[f"role/{role}/parse_errors"] = mean([sum(len(turn.parse_errors) for turn in t.turns) for t in ts])
+    return out
+
+
+def evaluate_team(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[Any], adapters: Mapping[str, str],
+                  seed: int) -> dict[str, float]:
+    """pass@1 and success rate of the team on held-out tasks (failed episodes count as unsolved)."""
+    from tracegym.eval import summarize
+
+    rollout_cfg = RolloutConfig(**cfg.rollout.settings(temperature=cfg.eval.temperature, measure_logprob_gap=False),
+                                samples_per_task=cfg.eval.samples_per_task, seed=seed)
+    result = run_team_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, adapters=adapters,
+                                    env_options=cfg.env.options)
+    heads = episode_heads(result.trajectories) + episode_heads(result.failed)
+    summary = summarize(heads, ks=[1], turns=[cfg.rollout.max_turns], env=cfg.env.name, n_bootstrap=200)
+    out = {"eval/pass@1": summary["pass_at"][str(cfg.rollout.max_turns)]["1"],
+           "eval/success_rate": summary["success_rate"], "eval/env_errors": float(result.stats.failed)}
+    for role in cfg.roles:
+        turns = [len(t.turns) for t in result.trajectories if role_of(t) == role]
+        out[f"eval/role/{role}/turns"] = float(statistics.fmean(turns)) if turns else 0.0
+    return out
+
+
+def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = None) -> TrainResult:
+    """Team RL as ``cfg`` says (see the module docstring); ``resume`` continues from the latest intact
+    checkpoint; ``stop_at_step`` returns after that step without saving (a simulated kill)."""
+    from tracegym.envs import make
+    from tracegym.envs.team import TeamEnv
+    from tracegym.models import load
+    from tracegym.recipes.rl import make_renderer, make_sampler, tasks_at
+
+    run_dir = Path(cfg.output_dir)
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
+    problems = estimator_problems(cfg.advantage.estimator, cfg.advantage.options)
+    if problems:
+        raise ValueError("; ".join(problems))
+    probe = make(cfg.env.name, **cfg.env.options)
+    if not isinstance(probe, TeamEnv):
+        raise ValueError(f"roles: env {cfg.env.name!r} is not a team env (a TeamEnv with roles); drop roles: to train "
+                         "one agent")
+    if set(cfg.roles) != set(probe.roles):
+        raise ValueError(f"roles: env {cfg.env.name!r} has roles {list(probe.roles)}, the config names {sorted(cfg.roles)}")
+    if cfg.env.injection is not None:
+        raise ValueError("env.injection is not supported with roles: yet")
+    train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
+    test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
+    probe.close()
+    dump_config(cfg, run_dir)
+    seed_everything(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base, tokenizer = load(cfg.model.name, cfg.model.dtype)
+    pool = build_pool(cfg, base)
+    model = pool.model.to(device).eval()
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    adapters = role_adapters(cfg)
+    trained = [a for a in pool.names if any(cfg.roles[r].train for r, ad in adapters.items() if ad == a)]
+    renderer = make_renderer(cfg, tokenizer)
+    sampler = make_sampler(cfg, model, tokenizer, renderer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+    step, cursor = 0, 0
+    restored = load_latest_intact(run_dir) if resume else None
+    if restored is not None:
+        saved = restored.state.get("tasks", {})
+        if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
+            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
+        if "pool" not in restored.state:
+            raise ValueError(f"{restored.path} is not a team checkpoint (no adapter pool state)")
+        pool.load_state_dict(restored.state["pool"])
+        step, cursor = restored.step, int(restored.state["task_cursor"])
+        sampler.update_weights(model)
+    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
+    history: list[dict[str, Any]] = []
+    eval_seed = cfg.seed + 1_000_003
+    if step == 0:
+        trainable, total = count_parameters(model)
+        memory = pool.memory_report()
+        row: dict[str, Any] = {"params/total": total, **{f"memory/{k}": v for k, v in memory.items()},
+                               "params/adapters": float(len(pool.names))}
+        if test_tasks and cfg.eval.at_start:
+            row.update(evaluate_team(cfg, sampler, renderer, test_tasks, adapters, eval_seed))
+        history.append(logger.log(0, row))
+    progress = ProgressBar(cfg.steps, "team rl", enabled=cfg.logging.progress, completed=step)
+    if cfg.save_rollouts:
+        (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    final_dir = None
+    try:
+        while step < cfg.steps:
+            t_start = time.perf_counter()
+            # 1. collect: every task's group_size team episodes; all roles' turns share engine batches
+            tasks = tasks_at(train_tasks, cfg.tasks.seed, cursor, cfg.tasks_per_step)
+            cursor += len(tasks)
+            rollout_cfg = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size,
+                                        seed=batch_seed(cfg.seed, step, 0))
+            writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
+            try:
+                result = run_team_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, adapters=adapters,
+                                                env_options=cfg.env.options, writer=writer, salt=f"step{step}")
+            finally:
+                if writer is not None:
+                    writer.close()
+            # 2. advantages: one group per (task, role), the team's reward against that group's mean
+            groups = group_by_role(result.trajectories)
+            estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
+            metrics: dict[str, Any] = team_metrics(groups, result)
+            metrics["time/rollout_s"] = time.perf_counter() - t_start
+            metrics.update({f"advantage/{k}": v for k, v in estimated.metrics.items()})
+            weights = estimated.weights or [[[1.0] * len(a) for a in group] for group in estimated.advantages]
+
+            # 3. update each trained adapter on its roles' turns, with its own optimizer
+            t_train = time.perf_counter()
+            for adapter in trained:
+                mine = [i for i, g in enumerate(groups) if adapters.get(role_of(g.trajectories[0]) or "") == adapter
+                        and cfg.roles[role_of(g.trajectories[0]) or ""].train]
+                skip = [cfg.skip_uniform_groups and not has_signal(estimated.advantages[i]) for i in mine]
+                data = examples_from_groups([groups[i] for i in mine], renderer, [estimated.advantages[i] for i in mine],
+                                            weights=[weights[i] for i in mine], max_length=cfg.max_length, skip_groups=skip)
+                metrics[f"adapter/{adapter}/examples"] = float(len(data.examples))
+                if not data.examples:
+                    continue
+                with pool.training(adapter):
+                    batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
+                    batch = score_batch(model, None, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size,
+                                        temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
+                    update = policy_update(model, batch, loss_cfg, pool.optimizers[adapter], pool.schedulers[adapter],
+                                           epochs=cfg.ppo_epochs, micro_batch_size=cfg.micro_batch_size,
+                                           temperature=temperature, max_grad_norm=cfg.optim.max_grad_norm,
+                                           train_mode=cfg.model.gradient_checkpointing)
+                metrics.update({f"adapter/{adapter}/{k}": v for k, v in update.items()})
+            sampler.update_weights(model)  # hf: the same model object, caches dropped; vllm: adapters re-sent
+            step += 1
+            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
+                            "rss_mb": process_rss_mb()})
+
+            # 4. evaluate, log, checkpoint
+            if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
+                metrics.update(evaluate_team(cfg, sampler, renderer, test_tasks, adapters, eval_seed))
+            if step % cfg.logging.log_every == 0 or step == cfg.steps:
+                history.append(logger.log(step, metrics))
+            progress.update(1, info=f"team reward {metrics['reward/mean']:.3f}",
+                            tokens=int(result.stats.generated_tokens))
+            if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
+                return TrainResult(run_dir, None, step, history)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": cursor,
+                         "pool": pool.state_dict(), "roles": adapters}
+                save_checkpoint(run_dir, step, model, None, None, state, keep_last=cfg.checkpoint.keep_last)
+        final_dir = save_team_final(pool, tokenizer, run_dir, {
+            "base_model": cfg.model.name, "lora": True, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "rl", "env": cfg.env.name, "roles": adapters,
+            "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
+    finally:
+        progress.close()
+        logger.close()
+    return TrainResult(run_dir, final_dir, step, history)
