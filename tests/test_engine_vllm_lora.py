@@ -193,7 +193,7 @@ def test_an_update_gets_a_new_id_and_name_and_removes_the_old(fake_vllm, tmp_pat
     b1 = engine.update_adapter("b", saved_adapter(tmp_path / "b1"))
     calls.clear()
     a2 = engine.update_adapter("a", saved_adapter(tmp_path / "a2"))
-    # vLLM caches adapters by id and (>= 0.11.1) prefix-cache blocks by name: both are new
+    # vLLM caches adapters by id and (recent vLLM) prefix-cache blocks by name: both are new
     assert a2.lora_int_id not in (a1.lora_int_id, b1.lora_int_id) and a2.lora_name == "a-v2"
     assert a2.lora_path == str(tmp_path / "a2")
     assert calls == [("add_lora", a2), ("remove_lora", a1.lora_int_id)]  # the new one loads before the old goes

@@ -213,3 +213,90 @@ def test_builtin_team_envs_run_with_the_expert_team(env, tokenizer):
     # the expert's turns are token data (SFT-ready), per role
     roles = {t.info["role"] for t in result.trajectories}
     assert roles == set(make(env).roles) and all(t.turns for t in result.trajectories)
+
+
+def _selfplay_config(out: Path, *overrides: str) -> RLConfig:
+    data = {
+        "model": {"name": "tiny-random"},
+        "lora": {"enabled": True, "r": 4},
+        "optim": {"lr": 1e-3},
+        "env": {"name": "calc_proposer", "options": {"num_calls": 1}},
+        "roles": {"proposer": {}, "solver": {}},
+        "selfplay": {"solver_env": "calculator", "solver_env_options": {"num_calls": 1}, "solver_attempts": 2},
+        "tasks": {"train": 4, "test": 2, "seed": 0},
+        "tasks_per_step": 2,
+        "group_size": 2,
+        "rollout": {"max_turns": 2, "max_tokens_per_turn": 4, "temperature": 1.0},
+        "steps": 2,
+        "eval": {"every": 0, "samples_per_task": 1, "at_start": False},
+        "checkpoint": {"every": 1},
+        "logging": {"progress": False},
+        "output_dir": str(out),
+    }
+    return load_config(RLConfig, data=data, overrides=list(overrides))
+
+
+def test_selfplay_loop_runs_on_the_calculator(tmp_path, monkeypatch):
+    """A random proposer proposes nothing valid; with valid proposals injected (the proposer env's
+    expert), the solver attempts them and the proposer is paid 4p(1-p)."""
+    from tracegym.environments.calc_proposer import CalcProposerEnv
+    from tracegym.recipes import selfplay
+
+    result = train_rl(_selfplay_config(tmp_path / "random"))
+    rows = [r for r in read_metrics(tmp_path / "random") if r.get("step", 0) > 0]
+    assert rows[-1]["proposer/valid_rate"] == 0.0 and rows[-1]["proposer/reward"] == 0.0
+    assert (result.final_dir / "proposer").is_dir() and (result.final_dir / "solver").is_dir()
+
+    # every other proposal is replaced by the expert's valid one: the solver then plays them
+    original = CalcProposerEnv.solver_task_from
+    expert = CalcProposerEnv()
+
+    def solver_task_from(self, messages, task_id):
+        index = int(task_id.rsplit("-", 1)[1])
+        if index % 2:
+            return None
+        seed = expert.tasks("train", 4, 0)[0]
+        asyncio.run(expert.reset(seed))
+        call = expert.expert_action().tool_calls[0]
+        return original(self, [Message(role="assistant", tool_calls=(call.model_copy(update={"id": "c0"}),)),
+                               Message(role="tool", content="Accepted.", tool_call_id="c0", name="propose")], task_id)
+
+    monkeypatch.setattr(CalcProposerEnv, "solver_task_from", solver_task_from)
+    seen: dict[str, Any] = {}
+    real = selfplay.proposer_rewards
+
+    def spy(valid, rates):
+        out = real(valid, rates)
+        seen.setdefault("calls", []).append((list(valid), list(rates), out))
+        return out
+
+    monkeypatch.setattr(selfplay, "proposer_rewards", spy)
+    train_rl(_selfplay_config(tmp_path / "injected", "steps=1"))
+    row = [r for r in read_metrics(tmp_path / "injected") if r.get("step", 0) > 0][-1]
+    assert row["proposer/valid_rate"] == 0.5
+    valid, rates, rewards = seen["calls"][0]
+    assert valid == [True, False] and rates[0] is not None and rates[1] is None
+    assert rewards == [4 * rates[0] * (1 - rates[0]), 0.0]
+
+
+def test_hierarchical_and_magrpo_values():
+    from tracegym.algos import estimate, hierarchical_advantages, learnability_reward
+    from tracegym.types import Trajectory, TrajectoryGroup, Turn
+
+    assert hierarchical_advantages([[1, 1, 0]])[0] == pytest.approx([1 / 3, 1 / 3, -2 / 3])
+    assert [learnability_reward(True, p) for p in (0.0, 0.25, 0.5, 1.0)] == [0.0, 0.75, 1.0, 0.0]
+    assert learnability_reward(False, 0.5) == 0.0
+
+    def traj(role: str, reward: float, i: int) -> Trajectory:
+        turn = Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant", content="x"), reward=reward)
+        return Trajectory(env="e", task_id="t", sample_index=i, messages=(), turns=(turn, turn), reward=reward,
+                          info={"role": role, "episode_id": str(i)})
+
+    groups = [TrajectoryGroup(env="e", task_id=f"t@{role}", trajectories=tuple(traj(role, r, i) for i, r in enumerate(rs)))
+              for role, rs in (("planner", [1, 0, 0, 1]), ("solver", [1, 0, 0, 0]))]
+    adv = estimate("magrpo", groups).advantages
+    assert adv[0] == [[0.5, 0.5], [-0.5, -0.5], [-0.5, -0.5], [0.5, 0.5]]
+    assert adv[1] == [[0.75, 0.75], [-0.25, -0.25], [-0.25, -0.25], [-0.25, -0.25]]
+    mixed = [TrajectoryGroup(env="e", task_id="t", trajectories=(traj("planner", 1, 0), traj("solver", 0, 1)))]
+    with pytest.raises(ValueError, match="mixes roles"):
+        estimate("magrpo", mixed)

@@ -30,7 +30,7 @@ from tracegym.envs.team import TeamEnv, play_team_episode, team_episode_id
 from tracegym.rollout import RolloutConfig, RolloutResult, RolloutStats, _batching, _RenderedPolicy, _Runner, env_factory
 from tracegym.types import Trajectory, TrajectoryGroup
 
-__all__ = ["group_by_role", "role_of", "run_team_rollouts", "run_team_rollouts_sync"]
+__all__ = ["group_by_role", "role_of", "run_team_rollouts", "run_team_rollouts_sync", "with_adapter"]
 
 
 def role_of(trajectory: Trajectory) -> str | None:
@@ -145,6 +145,41 @@ async def run_team_rollouts(
     )
     return RolloutResult(trajectories=kept_trajectories, stats=stats,
                          failed=[t for i in sorted(failed) for t in failed[i]])
+
+
+class _AdapterBound:
+    """An engine that samples every row with one named adapter (see :func:`with_adapter`)."""
+
+    def __init__(self, engine: Any, adapter: str):
+        if not _takes_adapters(engine):
+            raise ValueError(f"engine {getattr(engine, 'name', engine)!r} cannot sample a named LoRA adapter")
+        self.engine, self.adapter = engine, adapter
+        self.name = getattr(engine, "name", "engine")
+
+    @property
+    def capabilities(self) -> Any:
+        return self.engine.capabilities
+
+    @property
+    def model(self) -> Any:
+        return getattr(self.engine, "model", None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Any) -> Any:
+        return self.engine.generate(prompts, params, adapters=[self.adapter] * len(prompts))
+
+    def update_weights(self, model_or_state: Any) -> None:
+        self.engine.update_weights(model_or_state)
+
+    def clear_cache(self) -> None:
+        clear = getattr(self.engine, "clear_cache", None)
+        if callable(clear):
+            clear()
+
+
+def with_adapter(engine: Any, adapter: str) -> Any:
+    """``engine`` as a single-policy sampler that uses LoRA adapter ``adapter`` for every row: a
+    role of a pool played in an ordinary (single-agent) rollout run, e.g. self-play's solver."""
+    return _AdapterBound(engine, adapter)
 
 
 def _takes_adapters(engine: Any) -> bool:

@@ -476,6 +476,22 @@ def run_policy(
     from tracegym.envs.injection import env_source
     from tracegym.rollout import run_rollouts
 
+    from tracegym.envs import make
+    from tracegym.envs.team import TeamEnv
+
+    probe = make(args.env, **env_options)
+    team = isinstance(probe, TeamEnv)
+    probe.close()
+    if team:  # a team env: one trajectory per role per episode, the same policy (or expert) in every role
+        from tracegym.rollout_team import run_team_rollouts
+
+        if injection_settings(args) is not None:
+            raise UsageError(f"--injection-rate is not supported on the team env {args.env!r}")
+        result = asyncio.run(run_team_rollouts(args.env, tasks, setup.policy, setup.renderer, config,
+                                               env_options=env_options, writer=writer, policy_name=setup.policy_name))
+        if failed_writer is not None:
+            failed_writer.write_all(result.failed)
+        return result
     env, options = env_source(args.env, env_options, injection_settings(args))
     return asyncio.run(
         run_rollouts(

@@ -46,7 +46,7 @@ each prompt's request with ``model=<that adapter's served name>`` (the base ``mo
 ``/load_lora_adapter`` / ``/unload_lora_adapter`` (``{"lora_name", "lora_path"}``; the path is read
 by the server, so it must be on its filesystem). ``update_adapter(name, path)`` hot-swaps new
 weights: it loads them under a new served name ``<name>-v<k>`` (a new name gets a new id from the
-server, and vLLM >= 0.11.1 keys prefix-cache blocks by adapter name, so reusing the name could serve
+server, and recent vLLM keys prefix-cache blocks by adapter name, so reusing the name could serve
 KV computed with the old weights, vllm-project/vllm#30931), routes ``name`` to it, then unloads the
 previous version. See docs/multi_lora.md.
 

@@ -20,7 +20,7 @@
   ``save_pretrained(folder, selected_adapters=[name])``) to a versioned temporary folder and swaps
   in a new ``LoRARequest`` for it; ``update_weights(peft_model)`` refreshes every adapter of the
   peft model. Hot-swap rule: every version gets a new int id (vLLM caches loaded adapters by id)
-  and a new name ``<name>-v<k>`` (vLLM >= 0.11.1 keys prefix-cache blocks by the adapter's name,
+  and a new name ``<name>-v<k>`` (recent vLLM keys prefix-cache blocks by the adapter's name,
   vllm-project/vllm#27211, so a reused name could serve KV computed with the old weights,
   vllm-project/vllm#30931); the previous id is removed from vLLM (``llm_engine.remove_lora``)
   and its folder deleted. docs/multi_lora.md has the whole story.

@@ -289,6 +289,17 @@ class CalcProposerEnv(ToolEnv):
             lambda data: data["prompt"], "calcprop", self.test_fraction, what="proposer seeds",
         )
 
+    def solver_task_from(self, messages: Sequence[Message], task_id: str) -> Task | None:
+        """The self-play hook (``tracegym.recipes.selfplay``): the ``calculator`` task a finished
+        proposer episode proposed, or None when it proposed nothing valid."""
+        proposal = proposal_from_messages(messages)
+        if proposal is None:
+            return None
+        try:
+            return solver_task(proposal, task_id)
+        except ValueError:
+            return None
+
     async def reset(self, task: Task) -> list[Message]:
         self.task = task
         self.proposal = None
