@@ -127,7 +127,7 @@ class AdapterPool:
         """Adapter ``name``'s weights as peft saves them (keys without the adapter name), cloned."""
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False).items()}
 
     def save(self, name: str, folder: str | Path, base_model: str | None = None) -> Path:
         """Write adapter ``name`` as a plain peft adapter folder (``adapter_model.safetensors`` +
