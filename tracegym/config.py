@@ -423,7 +423,9 @@ class AdvantageConfig(_Section):
     (InfoPO) scores every turn by how much its observation changes the log-prob of the next action
     versus ``placeholder`` (two extra forward passes per turn with a next turn; biased);
     ``mc_continuation`` (VinePPO/C3) branches at decision turns: ``mc_k`` actions (the taken one
-    included) x ``mc_m`` continuations each, advantage = Q(taken) - mean Q(others) (unbiased; costly)."""
+    included) x ``mc_m`` continuations each, advantage = Q(taken) - mean Q(others) (unbiased; costly).
+    With ``roles:`` it is per-role counterfactual credit (C3): the acting role's message is replaced
+    by fresh samples of that role and the rest of the team episode re-run."""
 
     placeholder: str = "No information found."
     """The neutral observation ``info_gain`` compares each real observation with."""
@@ -623,7 +625,9 @@ class RLConfig(_Section):
     roles: dict[str, RoleConfig] = Field(default_factory=dict)
     """Team training (docs/multi_lora.md): role -> its LoRA adapter. With a team env (``logic_grid``,
     ``calc_relay``) every role's turns are sampled in the same batches, each row with its role's
-    adapter, and each adapter is updated with its own optimizer; empty: one single-agent policy."""
+    adapter, and each adapter is updated with its own optimizer; empty: one single-agent policy. Per
+    role: ``adapter`` (default the role's name; roles naming one adapter share it), ``init`` (an
+    adapter folder to start from; default ``model.adapter``), ``train`` (false: a frozen partner)."""
 
     selfplay: SelfPlayConfig | None = None
     """Proposer / solver self-play (needs ``roles`` with ``proposer`` and ``solver``)."""
@@ -643,10 +647,10 @@ class RLConfig(_Section):
         if self.roles or self.selfplay is not None:
             if not self.lora.enabled:
                 raise ValueError("roles: a team trains one LoRA adapter per role; set lora.enabled: true")
-            if self.executor.kind != "local" or self.rollout.strategy != "chains" or self.advantage.intrinsic != "none" \
-                    or self.resample_rounds:
-                raise ValueError("roles: team training runs with executor.kind local, rollout.strategy chains, "
-                                 "no advantage.intrinsic and no resample_rounds")
+            if self.executor.kind != "local" or self.rollout.strategy != "chains" or self.resample_rounds \
+                    or self.advantage.intrinsic == "info_gain" or (self.selfplay and self.advantage.intrinsic != "none"):
+                raise ValueError("roles: team training runs with executor.kind local, rollout.strategy chains, no "
+                                 "resample_rounds, and advantage.intrinsic none or (teams) mc_continuation")
             if self.rollout.engine not in ("hf", "vllm"):
                 raise ValueError("roles: rollout.engine must be hf or vllm (engines that sample per-row LoRA adapters)")
             if self.roles and not any(role.train for role in self.roles.values()):

@@ -16,7 +16,8 @@ Lifecycle::
 
 One episode gives one ``Trajectory`` per role that acted or was shown anything (token-exact
 ``turns`` of that role only), all with ``info["episode_id"]`` (the same for the whole team),
-``info["role"]`` and ``policy`` = the role. The team's reward (the sum of ``TeamStep.reward``) is
+``info["role"]``, ``info["team_order"]`` (which role acted at each turn of the episode) and
+``policy`` = the role. The team's reward (the sum of ``TeamStep.reward``) is
 every role's ``Trajectory.reward`` unless the env gives ``role_rewards`` (then a role's reward is
 the team reward plus its own), credited on that role's last turn: every role sees the shared
 outcome, and group estimators (``magrpo``: a group baseline per role) compare it across samples. ``success`` comes from the last step's ``info["success"]``.
@@ -260,7 +261,7 @@ def _role_trajectory(st: _TeamProgress, role: str, task: Task, sample_index: int
         success=False if failed else bool(st.last_info.get("success", False)),
         metrics=_numeric(st.last_info), end_reason=st.end_reason or "engine_error", error=st.error,
         policy=role, info={**info, "episode_id": episode_id, "role": role, "team_turns": len(st.order),
-                           "role_turns": rp.actions},
+                           "role_turns": rp.actions, "team_order": list(st.order)},
     )
 
 

@@ -115,6 +115,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     adapters = role_adapters(cfg)
     renderer = make_renderer(cfg, tokenizer)
     sampler = make_sampler(cfg, model, tokenizer, renderer)
+    sampler.update_weights(model)  # vllm: every adapter sent as its first version (hf: nothing to copy)
     proposer, solver = with_adapter(sampler, adapters["proposer"]), with_adapter(sampler, adapters["solver"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0

@@ -7,6 +7,7 @@ One step, top to bottom (``train_team`` reads exactly like this)::
                                                                               # same batches, each row its adapter
     groups  = group_by_role(result.trajectories)          # one group per (task, role)
     adv     = estimate("magrpo", groups)                   # joint reward - mean over the task's samples, per role
+                                                           # (or C3: mc_continuation per role, below)
     for adapter in trained adapters:                       # each with its own AdamW and schedule
         data    = examples_from_groups(its roles' groups, renderer, adv)
         with pool.training(adapter):                       # only this adapter has requires_grad
@@ -14,6 +15,12 @@ One step, top to bottom (``train_team`` reads exactly like this)::
             metrics = policy_update(model, batch, loss, pool.optimizers[adapter], pool.schedulers[adapter])
     sampler.update_weights(pool.model)                     # the hf engine holds this very model
     log(step, metrics); maybe_evaluate(step); maybe_checkpoint(step)
+
+Per-role counterfactual credit (C3, ``advantage.intrinsic: mc_continuation`` with ``estimator:
+mc_continuation``): at each decision turn the acting role's message is kept (``mc_m``
+continuations of the rest of the episode) or replaced by ``mc_k - 1`` fresh samples of that role
+(``mc_m`` continuations each); the turn's advantage is Q(taken) - mean Q(replacements) on that
+role's reward, so a role is credited for what its own message changed, not for its partner's luck.
 
 ``roles:`` maps each role of the env to an adapter (``adapter:``, default the role's name). Two roles
 naming one adapter share a policy (one set of weights, one optimizer: the "shared adapter" baseline);
@@ -27,6 +34,7 @@ role each one plays.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from pathlib import Path
@@ -42,7 +50,7 @@ from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.executors.base import batch_seed
 from tracegym.rollout import RolloutConfig, RolloutResult
-from tracegym.rollout_team import group_by_role, role_of, run_team_rollouts_sync
+from tracegym.rollout_team import group_by_role, role_of, run_team_rollouts_sync, score_team_counterfactual
 from tracegym.train.adapter_pool import AdapterPool
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -173,6 +181,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
     trained = [a for a in pool.names if any(cfg.roles[r].train for r, ad in adapters.items() if ad == a)]
     renderer = make_renderer(cfg, tokenizer)
     sampler = make_sampler(cfg, model, tokenizer, renderer)
+    sampler.update_weights(model)  # vllm: every adapter sent as its first version (hf: nothing to copy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
@@ -218,10 +227,18 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
             finally:
                 if writer is not None:
                     writer.close()
-            # 2. advantages: one group per (task, role), the team's reward against that group's mean
-            groups = group_by_role(result.trajectories)
+            # 2. optional per-role counterfactual credit (C3: replace the acting role's message, re-run
+            #    the rest), then advantages: one group per (task, role)
+            trajectories, credit_metrics = result.trajectories, {}
+            if cfg.advantage.intrinsic == "mc_continuation":
+                trajectories, c3 = asyncio.run(score_team_counterfactual(
+                    cfg.env.name, trajectories, tasks, sampler, renderer, rollout_cfg, adapters=adapters,
+                    env_options=cfg.env.options, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
+                    decision_turns=cfg.advantage.mc_decision_turns, salt=f"step{step}"))
+                credit_metrics = c3.metrics()
+            groups = group_by_role(trajectories)
             estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
-            metrics: dict[str, Any] = team_metrics(groups, result)
+            metrics: dict[str, Any] = {**team_metrics(groups, result), **credit_metrics}
             metrics["time/rollout_s"] = time.perf_counter() - t_start
             metrics.update({f"advantage/{k}": v for k, v in estimated.metrics.items()})
             weights = estimated.weights or [[[1.0] * len(a) for a in group] for group in estimated.advantages]
