@@ -367,3 +367,22 @@ def test_team_rl_with_counterfactual_credit_runs(tmp_path):
                      "advantage.estimator=mc_continuation", "advantage.mc_k=2", "advantage.mc_m=1"))
     row = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0][-1]
     assert row["c3_decisions"] == 24 and row["c3_continuations"] == 48 and "advantage/mc_advantage_abs_mean" in row
+
+
+@pytest.mark.parametrize("example", ["rl_calc_relay.yaml", "rl_selfplay_calculator.yaml"])
+def test_cli_runs_the_team_and_selfplay_examples(example, tmp_path, capsys):
+    """The shipped configs run from the CLI (shrunk to the tiny random model and one step)."""
+    from tracegym.cli import main
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    overrides = ["model.name=tiny-random", "model.adapter=null", "lora.r=4", "tasks.train=4", "tasks.test=2",
+                 "tasks_per_step=2", "group_size=2", "rollout.max_tokens_per_turn=4", "rollout.max_turns=3", "steps=1",
+                 "eval.samples_per_task=1", "logging.progress=false", "logging.tensorboard=false",
+                 f"output_dir={tmp_path / 'run'}"]
+    assert main(["rl", "--config", str(examples / example), *overrides]) == 0
+    assert "rl done: 1 steps" in capsys.readouterr().out
+    final = tmp_path / "run" / "final"
+    roles = ("planner", "solver") if "relay" in example else ("proposer", "solver")
+    assert all((final / role / "adapter_config.json").is_file() for role in roles)
+    rows = read_metrics(tmp_path / "run")
+    assert "eval/pass@1" in rows[-1] and rows[0]["memory/adapter_mb/solver"] > 0
