@@ -107,13 +107,47 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int = DE
     return _run(logits, None, temperature, chunk_rows, with_entropy=True)[1]
 
 
-def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0) -> Tensor:
+MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate forward pass
+
+
+def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, first_column: int) -> int:
+    """Tokens at the start that every row holds alike (real tokens, not padding), at most
+    ``first_column`` (no logit is needed inside the prefix): the part of a micro-batch's rows worth
+    computing once. 0 when below ``MIN_SHARED_PREFIX`` or with a single row."""
+    if input_ids.shape[0] < 2 or first_column < MIN_SHARED_PREFIX:
+        return 0
+    limit = min(first_column, int(attention_mask.sum(-1).min()) - 1)
+    if limit < MIN_SHARED_PREFIX:
+        return 0
+    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(0) & (attention_mask[:, :limit] == 1).all(0)  # [limit]
+    differs = (~same).nonzero()
+    length = int(differs[0]) if differs.numel() else limit
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
+def _plain_cache_layers(cache: Any) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0,
+                    share_prefix: bool = True) -> Tensor:
     """Logits of positions ``first_column .. L-1``: [B, L - first_column, V].
 
     ``logits_to_keep`` makes the model apply its output layer to those positions only: the hidden
     states of the prompt are still computed (later tokens attend to them), but the [*, V] projection,
     softmax and their backward are skipped where nothing is trained, which is most of an agent
-    episode's tokens (system prompt, tool schemas, tool results)."""
+    episode's tokens (system prompt, tool schemas, tool results).
+
+    Shared prefix (``share_prefix``, not in train mode: gradient checkpointing turns the cache off):
+    the rows of a micro-batch usually start alike (one task's group repeats its prompt; every task
+    of an env repeats the system prompt and tool schemas). That prefix runs once, batch 1, with
+    gradients; its keys and values are repeated to the B rows (``batch_repeat_interleave``, whose
+    backward sums the rows' gradients into the one prefix) and only the suffixes run at batch B,
+    attending to it. Exact: a causal prefix never sees what follows it, so every row's prefix
+    states are the same computation (float rounding aside: other matmul shapes)."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
@@ -123,11 +157,39 @@ def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first
         raise ValueError("sequences need at least 2 tokens to have a next-token log-prob")
     if not 0 <= first_column < length - 1:
         raise ValueError(f"first_column must be in [0, {length - 2}] for sequences of {length} tokens, got {first_column}")
+    prefix = shared_prefix_length(input_ids, attention_mask, first_column) if share_prefix and not getattr(
+        model, "training", False) else 0
+    if prefix:
+        logits = _forward_after_prefix(model, input_ids, attention_mask, first_column, prefix)
+        if logits is not None:
+            return logits
     kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
     output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = output.logits if hasattr(output, "logits") else output
     if logits.shape[1] != length - first_column:  # a model without logits_to_keep support
         logits = logits[:, first_column:].contiguous()
+    return logits  # [B, L - first_column, V]
+
+
+def _forward_after_prefix(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
+                          prefix: int) -> Tensor | None:
+    """The shared-prefix forward of :func:`_forward_logits` (None when the model's cache is not a
+    plain full-attention one, whose rows can be repeated and extended exactly)."""
+    from transformers import DynamicCache
+
+    rows, length = input_ids.shape
+    cache = DynamicCache(config=getattr(model, "config", None))
+    model(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], cache=cache, use_cache=True,
+          logits_to_keep=1)
+    if not _plain_cache_layers(cache):
+        return None
+    cache.batch_repeat_interleave(rows)  # [1, H, P, D] -> [B, H, P, D] per layer (differentiable)
+    positions = torch.arange(prefix, length, device=input_ids.device)[None].expand(rows, -1)  # [B, L - P]
+    output = model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=length - first_column)
+    logits = output.logits
+    if logits.shape[1] != length - first_column:
+        logits = logits[:, -(length - first_column):].contiguous()
     return logits  # [B, L - first_column, V]
 
 
@@ -147,27 +209,28 @@ def _pad_front(values: Tensor, first_column: int) -> Tensor:
 
 def token_logprobs(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0, share_prefix: bool = True,
 ) -> Tensor:
     """Log-prob of each next token under ``model``: [B, L] ids -> [B, L-1] float32 (target-aligned).
 
     Values at padded positions are meaningless; mask them with ``Batch.loss_mask``. Columns before
-    ``first_column`` are not computed and hold 0 (pass ``Batch.first_loss_column``).
+    ``first_column`` are not computed and hold 0 (pass ``Batch.first_loss_column``). The rows'
+    common prefix runs once (``share_prefix``, see ``_forward_logits``).
     """
-    logits = _forward_logits(model, input_ids, attention_mask, first_column)
+    logits = _forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
     logp, _ = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=False)
     return _pad_front(logp[:, :-1], first_column)
 
 
 def token_logprobs_and_entropy(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0, share_prefix: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass;
     columns before ``first_column`` hold 0."""
-    logits = _forward_logits(model, input_ids, attention_mask, first_column)
+    logits = _forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
     logp, entropy = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=True)
     return _pad_front(logp[:, :-1], first_column), _pad_front(entropy[:, :-1], first_column)
 
 
-__all__ = ["logprobs_from_logits", "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
+__all__ = ["MIN_SHARED_PREFIX", "shared_prefix_length", "logprobs_from_logits", "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
