@@ -52,6 +52,7 @@ from typing import Any, AsyncIterator, Callable, Literal, Sequence
 from pydantic import ConfigDict, Field
 
 from tracegym.config import RolloutSettings
+from tracegym.engines.base import BASE_ADAPTER
 from tracegym.envs.base import Env, Task
 from tracegym.envs.episode import (
     FAILED_END_REASONS,
@@ -220,7 +221,7 @@ class _Batcher:
                 prompts = [r.prompt for r in batch]
                 if any(r.adapter is not None for r in batch):  # team roles: one call, each row its adapter
                     outs = await asyncio.to_thread(self.engine.generate, prompts, params,
-                                                   adapters=[r.adapter or "__base__" for r in batch])
+                                                   adapters=[r.adapter or BASE_ADAPTER for r in batch])
                 else:
                     outs = await asyncio.to_thread(self.engine.generate, prompts, params)
                 if len(outs) != len(batch):

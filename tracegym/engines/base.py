@@ -20,6 +20,10 @@ from tracegym.types import Generation, SamplingParams
 
 WeightSync = Literal["shared_model", "state_dict", "adapter", "none"]
 
+BASE_ADAPTER = "__base__"
+"""The adapter name that means "the base model, no LoRA" in a mixed-adapter batch (peft's name for it),
+for every engine whose ``generate`` takes ``adapters=``."""
+
 
 @dataclass(frozen=True)
 class EngineCapabilities:

@@ -61,7 +61,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tracegym.engines.base import Engine, EngineCapabilities
+from tracegym.engines.base import BASE_ADAPTER, Engine, EngineCapabilities
 from tracegym.types import FinishReason, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class HFEngine(Engine):
             adapters = [str(a) for a in adapters]
             if len(adapters) != len(prompts):
                 raise ValueError(f"got {len(adapters)} adapter names for {len(prompts)} prompts")
-            known = set(getattr(self.model, "peft_config", {}) or {}) | {"__base__"}
+            known = set(getattr(self.model, "peft_config", {}) or {}) | {BASE_ADAPTER}
             unknown = sorted(set(adapters) - known)
             if unknown:
                 raise ValueError(f"unknown adapter(s) {unknown}: the model has {sorted(known)}")

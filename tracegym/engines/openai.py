@@ -74,7 +74,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import httpx
 
-from tracegym.engines.base import Engine, EngineCapabilities
+from tracegym.engines.base import BASE_ADAPTER, Engine, EngineCapabilities
 from tracegym.render.toolcalls import parse_assistant_text, serialize_assistant
 from tracegym.types import FinishReason, Generation, Message, ParsedCompletion, SamplingParams, ToolCall
 
@@ -292,8 +292,6 @@ def _error_names(detail: str, field: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(field)}(?![A-Za-z0-9_])", message) is not None
 
 
-# the adapter name that means "the base model, no LoRA" (as in the hf and vllm engines)
-BASE_ADAPTER = "__base__"
 
 
 def _server_message(text: str) -> str:

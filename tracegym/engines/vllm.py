@@ -39,15 +39,13 @@ import shutil
 import tempfile
 from typing import Any, Mapping, Sequence
 
-from tracegym.engines.base import Engine, EngineCapabilities
+from tracegym.engines.base import BASE_ADAPTER, Engine, EngineCapabilities
 from tracegym.types import FinishReason, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "the vllm engine needs vLLM and a CUDA GPU: pip install tracegym[gpu]"
 
-# the adapter name that means "no adapter, the base model" (peft's name for it in mixed batches)
-BASE_ADAPTER = "__base__"
 
 
 def is_base_adapter(name: str | None) -> bool:

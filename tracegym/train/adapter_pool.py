@@ -34,11 +34,9 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from tracegym.config import LoraConfig, OptimConfig
+from tracegym.engines.base import BASE_ADAPTER  # "__base__": no adapter, in a mixed batch
 
 __all__ = ["AdapterPool", "BASE_ADAPTER"]
-
-BASE_ADAPTER = "__base__"
-"""peft's name for "no adapter" in a mixed batch (the frozen base model)."""
 
 
 def _peft_lora_config(cfg: LoraConfig) -> Any:
