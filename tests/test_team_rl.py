@@ -386,3 +386,20 @@ def test_cli_runs_the_team_and_selfplay_examples(example, tmp_path, capsys):
     assert all((final / role / "adapter_config.json").is_file() for role in roles)
     rows = read_metrics(tmp_path / "run")
     assert "eval/pass@1" in rows[-1] and rows[0]["memory/adapter_mb/solver"] > 0
+
+
+def test_eval_command_scores_team_episodes_once(tmp_path, capsys):
+    """``tracegym eval`` on a team env: one outcome per episode (not per role), every role's
+    trajectory kept."""
+    import json
+
+    from tracegym.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--env", "calc_relay", "--policy", "expert", "--tasks", "3", "--samples", "2", "--k", "1,2",
+                 "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "eval.json").read_text())
+    assert summary["n_trajectories"] == 6 and summary["samples_per_task"] == 2 and summary["success_rate"] == 1.0
+    assert summary["pass_at"] == {"4": {"1": 1.0, "2": 1.0}}  # T: the whole episode (calc_relay: 4 turns)
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and {json.loads(x)["info"]["role"] for x in lines} == {"planner", "solver"}

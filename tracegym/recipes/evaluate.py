@@ -46,16 +46,38 @@ def evaluate_to_dir(
         raise ValueError(f"max_turns {config.max_turns} is below the largest turn budget {max(turns)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from tracegym.envs import make
+    from tracegym.envs.team import TeamEnv
+
+    probe = make(env, **(env_options or {}))
+    team = isinstance(probe, TeamEnv)
+    probe.close()
+    if team and injection is not None:
+        raise ValueError(f"prompt injections are not supported on the team env {env!r}")
     # Streamed as episodes end (a crash keeps what ran), rewritten in task order by write_eval.
     with TrajectoryWriter(out / "trajectories.jsonl") as writer:
-        source, options = env_source(env, env_options, injection)
-        result = run_rollouts_sync(source, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
-                                   progress=progress, env_options=options, policy_name=policy_name,
-                                   gap_model=gap_model)
+        if team:  # the same policy plays every role; one trajectory per role per episode
+            from tracegym.recipes.team import episode_heads
+            from tracegym.rollout_team import run_team_rollouts_sync
+
+            result = run_team_rollouts_sync(env, tasks, policy, renderer, config, env_options=env_options,
+                                            writer=writer, policy_name=policy_name or "policy")
+            writer.write_all(result.failed)
+        else:
+            source, options = env_source(env, env_options, injection)
+            result = run_rollouts_sync(source, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
+                                       progress=progress, env_options=options, policy_name=policy_name,
+                                       gap_model=gap_model)
     order = {task.id: i for i, task in enumerate(tasks)}
     episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))
-    summary = summarize(episodes, ks=list(ks), turns=list(turns), env=env,
-                        model=policy_name or (episodes[0].policy if episodes else None),
+    scored = episodes
+    if team:
+        # one outcome per team episode (its first role's trajectory carries the team's success); the
+        # turn budget T of pass@(k,T) is the whole episode's (every role's turns): only T = max_turns
+        scored = episode_heads(episodes)
+        turns = [config.max_turns]
+    summary = summarize(scored, ks=list(ks), turns=list(turns), env=env,
+                        model=policy_name or (scored[0].policy if scored else None),
                         split=split, n_bootstrap=bootstrap)
     summary.update({
         "env_options": dict(env_options or {}),
