@@ -403,3 +403,20 @@ def test_eval_command_scores_team_episodes_once(tmp_path, capsys):
     assert summary["pass_at"] == {"4": {"1": 1.0, "2": 1.0}}  # T: the whole episode (calc_relay: 4 turns)
     lines = (out / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 12 and {json.loads(x)["info"]["role"] for x in lines} == {"planner", "solver"}
+
+
+def test_weight_sync_sends_only_the_updated_adapters():
+    from tracegym.engines.base import EngineCapabilities
+    from tracegym.recipes.team import sync_adapters
+
+    class Fake:
+        def __init__(self, sync):
+            self.capabilities, self.calls = EngineCapabilities(weight_sync=sync), []
+
+        def update_weights(self, model, adapter=None):
+            self.calls.append(adapter)
+
+    copying, shared = Fake("adapter"), Fake("shared_model")
+    sync_adapters(copying, object(), ["planner"])  # the solver is frozen: not re-sent
+    sync_adapters(shared, object(), ["planner"])   # hf holds the model itself: one call, caches dropped
+    assert copying.calls == ["planner"] and shared.calls == [None]

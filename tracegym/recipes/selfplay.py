@@ -92,7 +92,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     from tracegym.eval import summarize
     from tracegym.models import load
     from tracegym.recipes.rl import make_renderer, make_sampler, tasks_at
-    from tracegym.recipes.team import build_pool, role_adapters
+    from tracegym.recipes.team import build_pool, role_adapters, sync_adapters
 
     assert cfg.selfplay is not None
     sp = cfg.selfplay
@@ -202,7 +202,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
                 values = hierarchical_advantages([g.rewards for g in groups])
                 metrics.update(_update(pool, adapters[role], groups, _turn_advantages(groups, values), cfg, loss_cfg,
                                        renderer, pad_id, temperature))
-            sampler.update_weights(model)
+            sync_adapters(sampler, model, [adapters[r] for r in ("proposer", "solver") if cfg.roles[r].train])
             step += 1
             metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
                             "rss_mb": process_rss_mb()})

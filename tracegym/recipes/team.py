@@ -13,7 +13,7 @@ One step, top to bottom (``train_team`` reads exactly like this)::
         with pool.training(adapter):                       # only this adapter has requires_grad
             batch   = score_batch(model, None, make_batch(data))
             metrics = policy_update(model, batch, loss, pool.optimizers[adapter], pool.schedulers[adapter])
-    sampler.update_weights(pool.model)                     # the hf engine holds this very model
+    sync_adapters(sampler, pool.model, trained)            # hf holds this very model; vllm: new adapter versions
     log(step, metrics); maybe_evaluate(step); maybe_checkpoint(step)
 
 Per-role counterfactual credit (C3, ``advantage.intrinsic: mc_continuation`` with ``estimator:
@@ -60,7 +60,7 @@ from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import Trajectory, TrajectoryGroup
 
-__all__ = ["build_pool", "evaluate_team", "role_adapters", "team_metrics", "train_team"]
+__all__ = ["build_pool", "episode_heads", "evaluate_team", "role_adapters", "sync_adapters", "team_metrics", "train_team"]
 
 
 def role_adapters(cfg: RLConfig) -> dict[str, str]:
@@ -140,6 +140,17 @@ def evaluate_team(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[An
         turns = [len(t.turns) for t in result.trajectories if role_of(t) == role]
         out[f"eval/role/{role}/turns"] = float(statistics.fmean(turns)) if turns else 0.0
     return out
+
+
+def sync_adapters(sampler: Any, model: torch.nn.Module, adapters: Sequence[str]) -> None:
+    """Per-role weight sync after an update: an engine that holds the trainer's model (hf) only drops
+    its caches; one that copies weights (vllm) gets each updated adapter as a new version, and the
+    frozen ones are not re-sent."""
+    if getattr(getattr(sampler, "capabilities", None), "weight_sync", "shared_model") == "shared_model":
+        sampler.update_weights(model)
+        return
+    for adapter in adapters:
+        sampler.update_weights(model, adapter=adapter)
 
 
 def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = None) -> TrainResult:
@@ -263,7 +274,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
                                            temperature=temperature, max_grad_norm=cfg.optim.max_grad_norm,
                                            train_mode=cfg.model.gradient_checkpointing)
                 metrics.update({f"adapter/{adapter}/{k}": v for k, v in update.items()})
-            sampler.update_weights(model)  # hf: the same model object, caches dropped; vllm: adapters re-sent
+            sync_adapters(sampler, model, trained)
             step += 1
             metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
                             "rss_mb": process_rss_mb()})
