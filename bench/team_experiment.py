@@ -234,7 +234,7 @@ def main() -> None:
     if "team_two" in results and "team_shared" in results:
         a, b = results["team_shared"], results["team_two"]
         print(f"\nteam_two - team_shared at the RL end: {b['rl'][0] - a['rl'][0]:+.3f} (independent runs; same tasks)")
-    print(f"\npeak RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items() if v) + "; eval " +
+    print("\npeak RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items() if v) + "; eval " +
           ", ".join(f"{arm} {r['peak_rss_mb']['eval']:.0f}" for arm, r in results.items()))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "curves.png")

@@ -212,7 +212,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
     history: list[dict[str, Any]] = []
     eval_seed = cfg.seed + 1_000_003
     if step == 0:
-        trainable, total = count_parameters(model)
+        _, total = count_parameters(model)
         memory = pool.memory_report()
         row: dict[str, Any] = {"params/total": total, **{f"memory/{k}": v for k, v in memory.items()},
                                "params/adapters": float(len(pool.names))}
