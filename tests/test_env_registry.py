@@ -37,8 +37,8 @@ def test_unknown_name_lists_registered_envs() -> None:
         make("calculater")
     message = str(info.value)
     assert "unknown env 'calculater'; did you mean 'calculator'?" in message
-    assert "calculator, code, frozenlake" in message and "--plugin" in message
-    with pytest.raises(UnknownEnvError, match=r"unknown env 'zzz'; registered envs: calculator"):
+    assert "calc_relay, calculator, code, frozenlake, logic_grid" in message and "--plugin" in message
+    with pytest.raises(UnknownEnvError, match=r"unknown env 'zzz'; registered envs: calc_proposer, calc_relay, calculator"):
         make("zzz")  # nothing near: no guess
 
 
