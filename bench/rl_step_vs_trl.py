@@ -108,6 +108,9 @@ def run_ours(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         # computes [16, ~470, 49152] float32 logits over prompt and completion (peak RSS 18 GB measured),
         # where TRL keeps only the completion's logits (``logits_to_keep``).
         "micro_batch_size": 4,
+        # --micro-batch-tokens: cut the update by computed tokens instead (a shared prompt counted
+        # once), e.g. 1536: one part of 16 rows here (316 + 16 x ~64), about what 4 unshared rows cost
+        "micro_batch_tokens": job.get("micro_batch_tokens"),
         "steps": total,
         "eval": {"at_start": False, "every": 0},
         "seed": SEED,
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="our update's micro-batches by computed tokens (default: 4 rows each)")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="python of the virtualenv that has TRL")
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "JOB", "WORKDIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.trl_python).exists():
         raise SystemExit(f"{args.trl_python} not found: make the TRL virtualenv first (see bench/README.md)")
     job = build_job(args.steps, args.warmup)
+    job["micro_batch_tokens"] = args.micro_batch_tokens
     with tempfile.TemporaryDirectory(prefix="rl-vs-trl-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job), encoding="utf-8")

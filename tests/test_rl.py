@@ -356,10 +356,13 @@ def test_micro_batch_size_does_not_change_the_logged_step(tmp_path):
               "eval.every=0", "tasks.test=1", "eval.at_start=false")
     one = _steps(train_rl(_config(tmp_path / "m1", *common, "micro_batch_size=1")).run_dir)[0]
     big = _steps(train_rl(_config(tmp_path / "m8", *common, "micro_batch_size=64")).run_dir)[0]
-    assert one["examples/count"] == big["examples/count"] > 1
+    # parts cut by computed tokens (a shared prompt counted once): the same step again
+    by_tokens = _steps(train_rl(_config(tmp_path / "mt", *common, "micro_batch_tokens=48")).run_dir)[0]
+    assert one["examples/count"] == big["examples/count"] == by_tokens["examples/count"] > 1
     for key in ("train/loss", "train/grad_norm", "train/ratio_min", "train/ratio_max", "train/ratio_mean",
                 "train/entropy", "train/kl_ref", "train/clip_frac"):
         assert one[key] == pytest.approx(big[key], rel=1e-4, abs=1e-6), key
+        assert one[key] == pytest.approx(by_tokens[key], rel=1e-4, abs=1e-6), key
 
 
 def test_temperature_below_one_keeps_the_first_pass_on_policy(tmp_path):

@@ -64,3 +64,29 @@ def test_shared_prefix_forward_equals_the_plain_one(first_column):
     for name in g0:
         scale = g0[name].abs().max().clamp_min(1e-8)
         assert ((g1[name] - g0[name]).abs().max() / scale) < 1e-4, name
+
+
+def test_split_by_computed_tokens_counts_a_shared_prompt_once():
+    from tracegym.batch import make_batch, split_by_computed_tokens
+    from tracegym.types import TrainingExample
+
+    def example(prompt, completion):
+        ids = tuple(prompt) + tuple(completion)
+        mask = (0,) * len(prompt) + (1,) * len(completion)
+        return TrainingExample(input_ids=ids, loss_mask=mask, weights=(1.0,) * len(ids), advantages=(0.5,) * len(ids),
+                               logprobs=(0.0,) * len(ids))
+
+    prompt_a, prompt_b = list(range(100, 130)), list(range(200, 230))  # 30-token prompts
+    rows = [example(prompt_a, [7] * 10) for _ in range(4)] + [example(prompt_b, [8] * 10) for _ in range(4)]
+    batch = make_batch(rows, pad_token_id=0, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
+    # a group of 4 costs its prompt once plus 4 completions (about 30 + 4 x 10 tokens), not 4 x 40
+    parts = split_by_computed_tokens(batch, 80)
+    assert [p.size for p in parts] == [4, 4]
+    assert all(p.normalizers == batch.normalizers for p in parts)
+    # too small a budget for two rows: one row per part; rows never cross the order
+    parts = split_by_computed_tokens(batch, 45)
+    assert [p.size for p in parts] == [1] * 8
+    assert [int(i) for p in parts for i in p.example_ids] == list(range(8))
+    # a budget that spans both prompts shares nothing across them (their prefixes differ at token 0)
+    assert [p.size for p in split_by_computed_tokens(batch, 150)] == [4, 4]  # 5 unshared rows would cost 200
+    assert [p.size for p in split_by_computed_tokens(batch, 320)] == [8]

@@ -253,6 +253,43 @@ def split_microbatches(
     return [batch.select(rows) for rows in parts]
 
 
+def split_by_computed_tokens(batch: Batch, max_tokens: int, min_shared: int = 16) -> list[Batch]:
+    """Cut ``batch`` into micro-batches of consecutive rows (a group's rows are adjacent) by the
+    tokens the update's forward computes for them: a prefix the part's rows share (as
+    ``tracegym.train.logprobs.shared_prefix_length`` finds it: real tokens before the first trained
+    column, at least ``min_shared``) runs once, the rest once per row, so a part costs
+    ``P + rows * (longest - P)``. Rows that repeat a prompt pack many to a part at the memory of a
+    few unshared rows; a row over the budget gets a part of its own. Parts share the full batch's
+    normalizers."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    lengths = batch.lengths.tolist()
+    trained = batch.loss_mask.bool()
+    first_trained = [int(row.nonzero()[0]) if row.any() else int(lengths[i]) - 1 for i, row in enumerate(trained)]
+    ids = batch.input_ids
+    parts: list[list[int]] = []
+    current: list[int] = []
+    shared = longest = 0
+    for row in range(batch.size):
+        if current:
+            head = current[0]
+            limit = min(shared, first_trained[row], int(lengths[row]) - 1)
+            same = (ids[row, :limit] == ids[head, :limit]).tolist()
+            prefix = same.index(False) if False in same else limit
+            prefix = prefix if prefix >= min_shared else 0
+            new_longest = max(longest, int(lengths[row]))
+            if prefix + (len(current) + 1) * (new_longest - prefix) <= max_tokens:
+                current.append(row)
+                shared, longest = prefix, new_longest
+                continue
+            parts.append(current)
+        current, longest = [row], int(lengths[row])
+        shared = min(first_trained[row], int(lengths[row]) - 1)  # a lone row: everything up to its loss
+    if current:
+        parts.append(current)
+    return [batch.select(rows) for rows in parts]
+
+
 def merge_microbatch_rows(batch: Batch, micro_batches: Sequence[Batch], values: Sequence[Tensor]) -> Tensor:
     """Put per-part ``[b_i, T_i]`` tensors (e.g. old log-probs computed per micro-batch) back into
     one ``[B, T]`` tensor in ``batch``'s row order, zero-padded on the right."""

@@ -594,6 +594,12 @@ class RLConfig(_Section):
     micro_batch_size: int = Field(4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the whole batch."""
 
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Cut the update's micro-batches by computed tokens instead of ``micro_batch_size`` rows: a
+    prefix the rows share runs once (docs/algorithms.md, "Log-probs"), so a group's samples of one
+    prompt pack many to a part at the memory of a few unshared rows. A part costs ``P + rows x
+    (longest - P)`` tokens (P: the shared prefix); None: ``micro_batch_size`` rows per part."""
+
     steps: int = Field(100, gt=0)
     """Optimizer rounds (each: rollouts, advantages, ``ppo_epochs`` updates, weight sync)."""
 

@@ -435,7 +435,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                                     temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=stale)
                 metrics.update(policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=cfg.ppo_epochs,
                                              micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                                             max_grad_norm=cfg.optim.max_grad_norm,
+                                             max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
                                              train_mode=cfg.model.gradient_checkpointing))
                 sampler.update_weights(model)
                 metrics["train/tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(time.perf_counter() - t_train, 1e-9)

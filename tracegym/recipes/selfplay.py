@@ -76,7 +76,7 @@ def _update(pool: Any, adapter: str, groups: list[TrajectoryGroup], advantages: 
                             epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
         metrics = policy_update(model, batch, loss_cfg, pool.optimizers[adapter], pool.schedulers[adapter],
                                 epochs=cfg.ppo_epochs, micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                                max_grad_norm=cfg.optim.max_grad_norm, train_mode=cfg.model.gradient_checkpointing)
+                                max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens, train_mode=cfg.model.gradient_checkpointing)
     out.update({f"adapter/{adapter}/{k}": v for k, v in metrics.items()})
     return out
 

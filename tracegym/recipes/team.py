@@ -271,7 +271,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
                                         temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
                     update = policy_update(model, batch, loss_cfg, pool.optimizers[adapter], pool.schedulers[adapter],
                                            epochs=cfg.ppo_epochs, micro_batch_size=cfg.micro_batch_size,
-                                           temperature=temperature, max_grad_norm=cfg.optim.max_grad_norm,
+                                           temperature=temperature, max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
                                            train_mode=cfg.model.gradient_checkpointing)
                 metrics.update({f"adapter/{adapter}/{k}": v for k, v in update.items()})
             sync_adapters(sampler, model, trained)

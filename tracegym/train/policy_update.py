@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tracegym.algos.compose import compute_policy_loss
-from tracegym.batch import Batch, merge_microbatch_rows, split_microbatches
+from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_tokens, split_microbatches
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
 from tracegym.train.optim import clip_gradients
 
@@ -117,9 +117,12 @@ def policy_update(
     temperature: float,
     max_grad_norm: float | None,
     train_mode: bool = False,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, float]:
     """``epochs`` optimizer passes over ``batch``; returns ``train/<metric>`` values (see module doc).
 
+    ``micro_batch_tokens``: cut micro-batches by the tokens the forward computes (a prefix the rows
+    share counted once, ``split_by_computed_tokens``) instead of ``micro_batch_size`` rows.
     ``train_mode``: run the forward passes in train mode (gradient checkpointing recomputes
     activations only there); dropout stays at its configured probability (0 for the built-in models).
     The model is left in eval mode, the mode the engine samples in.
@@ -133,7 +136,9 @@ def policy_update(
         for _ in range(epochs):
             optimizer.zero_grad(set_to_none=True)
             parts: list[dict[str, float]] = []
-            for part in split_microbatches(batch, micro_batch_size):
+            parts_of_batch = (split_by_computed_tokens(batch, micro_batch_tokens) if micro_batch_tokens
+                              else split_microbatches(batch, micro_batch_size))
+            for part in parts_of_batch:
                 part = part.to(device)
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
                 logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature,
