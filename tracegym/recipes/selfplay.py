@@ -92,7 +92,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     from tracegym.eval import summarize
     from tracegym.models import load
     from tracegym.recipes.rl import make_renderer, make_sampler, tasks_at
-    from tracegym.recipes.team import build_pool, role_adapters, sync_adapters
+    from tracegym.recipes.team import build_pool, restore_pool, role_adapters, sync_adapters
 
     assert cfg.selfplay is not None
     sp = cfg.selfplay
@@ -133,8 +133,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     step, cursor = 0, 0
     restored = load_latest_intact(run_dir) if resume else None
     if restored is not None:
-        pool.load_state_dict(restored.state["pool"])
-        step, cursor = restored.step, int(restored.state["task_cursor"])
+        step, cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                            config=cfg.model_dump(mode="json"), resume_step=step if resume else None)

@@ -60,7 +60,7 @@ from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import Trajectory, TrajectoryGroup
 
-__all__ = ["build_pool", "episode_heads", "evaluate_team", "role_adapters", "sync_adapters", "team_metrics", "train_team"]
+__all__ = ["build_pool", "episode_heads", "evaluate_team", "restore_pool", "role_adapters", "sync_adapters", "team_metrics", "train_team"]
 
 
 def role_adapters(cfg: RLConfig) -> dict[str, str]:
@@ -142,6 +142,15 @@ def evaluate_team(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[An
     return out
 
 
+def restore_pool(restored: Any, pool: AdapterPool) -> tuple[int, int]:
+    """Every adapter's weights, optimizer and schedule from a team (or self-play) checkpoint; returns
+    (step, task cursor)."""
+    if "pool" not in restored.state:
+        raise ValueError(f"{restored.path} is not a team checkpoint (no adapter pool state)")
+    pool.load_state_dict(restored.state["pool"])
+    return restored.step, int(restored.state["task_cursor"])
+
+
 def sync_adapters(sampler: Any, model: torch.nn.Module, adapters: Sequence[str]) -> None:
     """Per-role weight sync after an update: an engine that holds the trainer's model (hf) only drops
     its caches; one that copies weights (vllm) gets each updated adapter as a new version, and the
@@ -202,10 +211,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
         saved = restored.state.get("tasks", {})
         if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
             raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
-        if "pool" not in restored.state:
-            raise ValueError(f"{restored.path} is not a team checkpoint (no adapter pool state)")
-        pool.load_state_dict(restored.state["pool"])
-        step, cursor = restored.step, int(restored.state["task_cursor"])
+        step, cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                            config=cfg.model_dump(mode="json"), resume_step=step if resume else None)

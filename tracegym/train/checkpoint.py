@@ -536,17 +536,16 @@ def write_model_folder(model: torch.nn.Module | None, tokenizer: Any, folder: st
     return folder
 
 
-def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
-    """Write ``run_dir/final`` atomically (see :func:`write_model_folder` for what it holds):
-    ``tracegym.json`` (``info``: base model, renderer, recipe...) is what ``tracegym.models.load``
-    reads to put an adapter back on its base model. Returns the folder."""
+def _write_final(run_dir: str | Path, write: Any) -> Path:
+    """Create ``run_dir/final`` atomically: ``write(folder)`` fills a hidden temporary folder, which
+    is fsync'd and renamed into place (an older ``final`` is removed first). Returns the folder."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / "final"
     tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        write_model_folder(model, tokenizer, tmp, info)
+        write(tmp)
         _fsync_tree(tmp)
         if final.exists():
             _remove_dir(final)
@@ -556,32 +555,28 @@ def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def save_final(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
+    """Write ``run_dir/final`` atomically (see :func:`write_model_folder` for what it holds):
+    ``tracegym.json`` (``info``: base model, renderer, recipe...) is what ``tracegym.models.load``
+    reads to put an adapter back on its base model. Returns the folder."""
+    return _write_final(run_dir, lambda folder: write_model_folder(model, tokenizer, folder, info))
 
 
 def save_team_final(pool: Any, tokenizer: Any, run_dir: str | Path, info: dict[str, Any]) -> Path:
     """Write ``run_dir/final`` atomically for an ``AdapterPool``: one portable model folder per
     adapter (``final/<adapter>``, each loadable like a single run's ``final``) and ``team.json``
     (``info``, e.g. which role plays with which adapter). Returns the folder."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = run_dir / "final"
-    tmp = run_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+
+    def write(folder: Path) -> None:
         for name in pool.names:
-            write_model_folder(None, tokenizer, tmp / name, {**info, "adapter": name},
-                               write_weights=lambda folder, base, name=name: pool.save(name, folder, base_model=base))
-        (tmp / "team.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
-        normalize_permissions(tmp)
-        _fsync_tree(tmp)
-        if final.exists():
-            _remove_dir(final)
-        os.replace(tmp, final)
-        _fsync_dir(run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+            write_model_folder(None, tokenizer, folder / name, {**info, "adapter": name},
+                               write_weights=lambda sub, base, name=name: pool.save(name, sub, base_model=base))
+        (folder / "team.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+        normalize_permissions(folder)
+
+    return _write_final(run_dir, write)
 
 
 _EXPORT_CHECK_TOLERANCE = 1e-5
