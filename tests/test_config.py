@@ -16,6 +16,7 @@ from tracegym.config import (
     LoraConfig,
     RLConfig,
     SFTConfig,
+    SynthesizeConfig,
     apply_overrides,
     describe_fields,
     dump_config,
@@ -156,7 +157,7 @@ def test_dump_round_trips(tmp_path):
     assert yaml.safe_load(path.read_text())["lora"]["r"] == 4
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig, SynthesizeConfig])
 def test_every_field_has_a_description(cls):
     rows = describe_fields(cls)
     undocumented = [key for key, _, _, description in rows if not description.strip()]
@@ -179,7 +180,8 @@ def test_every_example_config_loads():
     for env in ("calculator", "search", "gridworld", "service"):
         assert f"sft_{env}.yaml" in names and f"rl_{env}.yaml" in names
     for file in files:
-        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig}
+        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig,
+                   "synthesize": SynthesizeConfig}
         prefix = file.name.split("_", 1)[0]
         assert prefix in classes, file.name
         cls = classes[prefix]
@@ -197,7 +199,7 @@ def test_every_example_config_loads():
             assert cfg.advantage.estimator in ADVANTAGE_ESTIMATORS, cfg.advantage.estimator
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig])
+@pytest.mark.parametrize("cls", [SFTConfig, RLConfig, DPOConfig, DistillConfig, SynthesizeConfig])
 def test_docs_describe_every_key(cls):
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     missing = [key for key, kind, _, _ in describe_fields(cls) if kind != "section" and f"`{key}`" not in docs]

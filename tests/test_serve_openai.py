@@ -211,7 +211,8 @@ def test_completions_take_token_ids_and_match_the_engine(server, client, tiny):
         (dict(prompt=[1, 10**7]), "prompt", "token ids"),
         (dict(prompt=[]), "prompt", "token ids"),
         (dict(prompt=[1, 2], stream=True), "stream", "not supported"),
-        (dict(prompt=[1, 2], echo=True), "echo", "not supported"),
+        (dict(prompt=[1, 2], max_tokens=0), "max_tokens", "only with echo"),  # echo itself: test_distill_remote_teacher.py
+        (dict(prompt=[1, 2], echo=True, logprobs=1), "logprobs", "with echo, logprobs must be 0"),
         (dict(prompt=[1, 2], logprobs=9), "logprobs", "0..5"),
         (dict(prompt=[1, 2], extra_body={"best_of": 2}), "best_of", "Unrecognized"),
         (dict(prompt=[1, 2], max_tokens=10**6), "max_tokens", "context"),

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tracegym.environments.calculator import CalculatorEnv
 from tracegym.render import get_renderer
@@ -407,3 +408,60 @@ def test_a_plugin_module_can_add_a_filter_for_the_command(tmp_path, capsys):
         assert "filter first_sample:keep=2: kept 2 of 6" in capsys.readouterr().out
     finally:
         FILTERS.pop("first_sample", None)
+
+
+def test_a_config_file_sets_everything_and_its_filters_carry_options(tmp_path, capsys):
+    """--config: the same run as the flags, filters as YAML items with options, the resolved config
+    written beside the data; KEY=VALUE overrides apply."""
+    from tracegym.cli import main
+
+    config = tmp_path / "synth.yaml"
+    config.write_text(
+        "env: {name: calculator, options: {num_calls: 2}}\ntasks: 2\nsamples: 3\nteacher: {source: expert}\n"
+        "filters:\n  - success: {min_reward: 1.0}\n  - {recovery: {prefer: true, per_task: 2}}\n  - pareto\n"
+        "  - dedupe\n"
+        f"output_dir: '{tmp_path / 'from_file'}'\n")
+    assert main(["synthesize", "--config", str(config), "tasks=3", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    out = tmp_path / "from_file"
+    summary = json.loads((out / "summary.json").read_text())
+    # the expert solves all 9 (3 tasks by the override x 3 samples); recovery keeps 2 per task, dedupe 1
+    assert [c["filter"] for c in summary["filters"]] == ["success:min_reward=1.0", "recovery:prefer:per_task=2",
+                                                         "pareto", "dedupe"]
+    assert [c["after"] for c in summary["filters"]] == [9, 6, 6, 3]
+    assert "filter recovery:prefer:per_task=2: kept 6 of 9" in printed
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["tasks"] == 3 and resolved["filters"][0] == "success:min_reward=1.0"
+    # the resolved config reproduces the run
+    again = tmp_path / "again"
+    assert main(["synthesize", "--config", str(out / "config.yaml"), f"output_dir={again}", "--no-progress"]) == 0
+    assert [(t.task_id, t.messages) for t in _read(again / "trajectories.jsonl")] == \
+        [(t.task_id, t.messages) for t in _read(out / "trajectories.jsonl")]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["filters=[sucess]"], "did you mean 'success'"),
+    (["filters=[{recovery: {prefer: 3}}]"], "prefer must be true or false"),
+    (["filters=[{success: 1, pareto: 2}]"], "one mapping"),
+    (["tasks=0"], "'tasks'"),
+    (["--tasks", "5"], "--tasks cannot be used with --config: set tasks=VALUE"),
+    (["--teacher", "expert"], "set teacher.source=VALUE"),
+])
+def test_a_bad_config_names_the_key_with_exit_code_2(extra, message, tmp_path, capsys):
+    from tracegym.cli import main
+
+    config = tmp_path / "synth.yaml"
+    config.write_text(f"env: {{name: calculator}}\ntasks: 1\noutput_dir: '{tmp_path / 'x'}'\n")
+    assert main(["synthesize", "--config", str(config), "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_without_config_the_flags_are_required_and_overrides_refused(tmp_path, capsys):
+    from tracegym.cli import main
+
+    assert main(["synthesize", "--env", "calculator", "--no-progress"]) == 2
+    assert "--teacher, --out required (or --config FILE)" in capsys.readouterr().err
+    assert main(["synthesize", "tasks=3", "--env", "calculator", "--teacher", "expert", "--out", str(tmp_path)]) == 2
+    assert "need --config" in capsys.readouterr().err

@@ -18,12 +18,13 @@ directory so a run can be reproduced from its folder alone.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -838,22 +839,69 @@ class DPOConfig(_Section):
 
 
 class TeacherConfig(_Section):
+    """The frozen teacher of ``tracegym distill``: a local model (``engine: hf``) or one served by an
+    inference engine that scores given sequences (``vllm`` in process, ``openai`` over HTTP)."""
+
     model: str = "smollm2-135m"
-    """The teacher: a known name or a local Hugging Face folder, e.g. the ``final/`` folder of an SFT
-    run (an adapter folder is merged onto the base it names). It must use the student's tokenizer:
-    every sampled token is scored by both models, id for id (checked at start: vocabulary size and
-    the ids of probe strings and of the chat special tokens). It scores the student's own token
-    sequence, so it reads the student's chat template; a vLLM/OpenAI-server teacher is not supported
-    (the engines expose no prompt log-probs)."""
+    """The teacher. ``engine: hf``: a known name or a local Hugging Face folder, e.g. the ``final/``
+    folder of an SFT run (an adapter folder is merged onto the base it names). ``vllm``: a local
+    model folder (``tracegym export --merge`` makes one of a run) or ``smollm2-135m``. ``openai``: the
+    model id the server serves it under (``vllm serve``'s ``--served-model-name``, by default the
+    path it was given). It must use the student's tokenizer: every sampled token is scored by both
+    models, id for id (checked at start: hf and vllm compare the vocabulary size and the ids of probe
+    strings and of the chat special tokens; a server's tokenizer cannot be read, so ``openai``
+    compares how the server reads the student's ids of probe strings). It scores the student's own
+    token sequence, so it reads the student's chat template."""
 
     adapter: str | None = None
-    """A peft LoRA adapter folder merged onto ``model`` (frozen, like the rest of the teacher)."""
+    """``engine: hf``: a peft LoRA adapter folder merged onto ``model`` (frozen, like the rest of the
+    teacher). Other engines load a merged folder instead."""
+
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    """How the teacher scores the student's tokens: ``hf`` (in this process with transformers, full
+    logits: every ``loss``), ``vllm`` (in this process on the GPU, vLLM's prompt log-probs) or
+    ``openai`` (an OpenAI-compatible server's ``/completions`` with ``echo`` and ``logprobs``:
+    ``vllm serve`` with its default ``--logprobs-mode raw_logprobs``, or ``tracegym serve``). vllm and
+    openai return the log-prob of each actual token only, so ``loss: jsd`` needs ``hf``."""
+
+    base_url: str | None = None
+    """``engine: openai``: the server root with ``/v1``, e.g. ``http://127.0.0.1:8000/v1``."""
+
+    api_key_env: str | None = None
+    """``engine: openai``: the environment variable holding the server's API key (sent only in the
+    ``Authorization`` header, never logged); None: ``OPENAI_API_KEY`` when set, else no key."""
+
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options of the teacher's engine (``engine: vllm`` or ``openai``), as
+    ``rollout.engine_options``: vllm: ``gpu_memory_utilization`` (default 0.5; a vllm student sampler
+    shares the GPU), ``max_model_len``, ``dtype``, ...; openai: ``timeout_s``, ``max_concurrency``
+    (sequences scored at once), ``max_retries``, ..."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TeacherConfig":
+        if self.engine == "openai" and not self.base_url:
+            raise ValueError("teacher.engine openai needs teacher.base_url (the server root with /v1, "
+                             "e.g. http://127.0.0.1:8000/v1)")
+        if self.engine != "openai" and (self.base_url is not None or self.api_key_env is not None):
+            raise ValueError("teacher.base_url and teacher.api_key_env are for teacher.engine: openai")
+        if self.adapter is not None and self.engine != "hf":
+            raise ValueError(f"teacher.adapter is merged by teacher.engine hf only; give the {self.engine} teacher "
+                             "a merged model folder (tracegym export --merge)")
+        if self.engine_options and self.engine == "hf":
+            raise ValueError("teacher.engine_options are for teacher.engine vllm or openai (the hf teacher takes none)")
+        reserved = sorted({"model", "tokenizer", "renderer", "base_url", "api_key_env"} & set(self.engine_options))
+        if reserved:
+            raise ValueError(f"teacher.engine_options cannot set {', '.join(reserved)}: use the teacher keys of "
+                             "those names (teacher.model, teacher.base_url, teacher.api_key_env)")
+        return self
 
 
 class DistillConfig(_Section):
     """On-policy distillation (``tracegym distill``): the student samples episodes in an env, a frozen
     teacher scores the sampled tokens, and the student is trained to lower the per-token reverse KL
-    ``log pi_student - log pi_teacher`` on its own samples (or GKD's generalized JSD)."""
+    ``log pi_student - log pi_teacher`` on its own samples (or GKD's generalized JSD). The teacher is
+    a local model or one served by vLLM / an OpenAI-compatible server (``teacher.engine``), always
+    with the student's tokenizer."""
 
     plugins: list[str] = Field(default_factory=list)
     """Python modules imported before this config is validated (a module name, or a ``.py`` path
@@ -869,7 +917,8 @@ class DistillConfig(_Section):
     """Optimizer and learning-rate schedule."""
 
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
-    """The frozen teacher that scores the student's samples."""
+    """The frozen teacher that scores the student's samples: a local model, or one served by vLLM or
+    an OpenAI-compatible server (``teacher.engine``)."""
 
     env: EnvConfig = Field(default_factory=EnvConfig)
     """The environment the student acts in (its rewards are logged, not trained on)."""
@@ -890,7 +939,7 @@ class DistillConfig(_Section):
     """``policy_gradient``/``ppo_clip``: the policy loss with per-token advantage
     ``A_t = -(log pi_student(y_t) - log pi_teacher(y_t))`` (a single-sample reverse-KL estimate).
     ``jsd``: GKD's generalized Jensen-Shannon divergence to the teacher over the whole vocabulary at
-    every sampled position (needs the teacher's full logits: a local teacher; ``jsd_beta``)."""
+    every sampled position (needs the teacher's full logits: ``teacher.engine: hf``; ``jsd_beta``)."""
 
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     """``loss: jsd``: ``beta KL(T||M) + (1-beta) KL(S||M)`` with ``M = beta T + (1-beta) S``;
@@ -911,7 +960,7 @@ class DistillConfig(_Section):
     corrects for the sampler's mismatch with the trainer (policy losses only); None: off."""
 
     micro_batch_size: int = Field(4, gt=0)
-    """Sequences per forward/backward pass (and per teacher forward); gradients accumulate over the batch."""
+    """Sequences per forward/backward pass (and per forward of an hf teacher); gradients accumulate over the batch."""
 
     steps: int = Field(100, gt=0)
     """Optimizer steps (each: rollouts, teacher scoring, one update, weight sync)."""
@@ -942,7 +991,133 @@ class DistillConfig(_Section):
             raise ValueError("distillation samples independent episodes: rollout.strategy must be 'chains'")
         if self.rollout.temperature <= 0:
             raise ValueError("on-policy distillation needs the student's sampling distribution: rollout.temperature must be > 0")
+        if self.loss == "jsd" and self.teacher.engine != "hf":
+            raise ValueError(f"loss jsd compares the teacher's whole next-token distribution: it needs teacher.engine hf "
+                             f"(the {self.teacher.engine} teacher returns the log-prob of each actual token only)")
         return self
+
+
+class SynthesisTeacherConfig(_Section):
+    source: str = "expert"
+    """Who plays the env: ``expert`` (the env's scripted expert), a local model name or folder (hf
+    engine; an adapter folder is merged onto its base), or the URL of an OpenAI-compatible server
+    (``http://host:port/v1``)."""
+
+    model: str | None = None
+    """Server teacher: the model id to ask for (default: the server's only model)."""
+
+    renderer: str | None = None
+    """Local teacher: its chat-template renderer (default: the model's)."""
+
+    api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
+    """Server teacher: the environment variable holding the API key (the key is never printed or written)."""
+
+
+class SynthesisStudentConfig(_Section):
+    model: str = "smollm2-135m"
+    """The student whose tokenizer and chat template the data is re-rendered for."""
+
+    renderer: str | None = None
+    """The student's chat-template renderer (default: the model's)."""
+
+
+class SynthesizeConfig(_Section):
+    """Teacher synthesis (``tracegym synthesize --config``): a teacher plays an env, its episodes go
+    through a chain of filters and are re-rendered with the student's template and masks."""
+
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules imported before this config is validated (a module name, or a ``.py`` path
+    relative to the config file): they register envs and filters (``--plugin`` adds more)."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """The environment the teacher plays (``env.injection`` is not used here)."""
+
+    split: Literal["train", "test"] = "train"
+    """Task split the tasks come from."""
+
+    tasks: int = Field(8, gt=0)
+    """Number of tasks."""
+
+    task_seed: int = 0
+    """Seed of the task draw (the same seed gives the same tasks)."""
+
+    samples: int = Field(4, gt=0)
+    """Teacher episodes per task."""
+
+    teacher: SynthesisTeacherConfig = Field(default_factory=SynthesisTeacherConfig)
+    """The teacher."""
+
+    student: SynthesisStudentConfig = Field(default_factory=SynthesisStudentConfig)
+    """The student the data is for."""
+
+    filters: list[Any] = Field(default_factory=lambda: ["success", "dedupe"])
+    """Filters applied in order (docs/synthesis.md). Each item is a name (``pareto``), a name with
+    options (``{recovery: {prefer: true, per_task: 2}}``) or the CLI's form
+    (``success:min_reward=0.5``); ``[]`` keeps every episode. Built in: ``success`` (rejection
+    sampling; option ``min_reward``), ``pareto`` (each task's successes not dominated on tool calls
+    and generated tokens), ``recovery`` (episodes that hit a tool error and recovered; options
+    ``prefer``, ``per_task``), ``dedupe``; ``tracegym.synthesis.register_filter`` adds more."""
+
+    max_turns: int | None = Field(None, gt=0)
+    """Assistant turns per episode (default: the env's limit)."""
+
+    max_tokens_per_turn: int = Field(512, gt=0)
+    """Teacher tokens per turn."""
+
+    max_context: int | None = Field(None, gt=0)
+    """End an episode whose next prompt, in student tokens, exceeds this (default: no limit)."""
+
+    temperature: float = Field(1.0, ge=0)
+    """Teacher sampling temperature."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Teacher nucleus sampling."""
+
+    seed: int = 0
+    """Sampling seed."""
+
+    timeout: float | None = Field(None, gt=0)
+    """Wall-clock limit per episode, in seconds."""
+
+    concurrency: int = Field(16, gt=0)
+    """Episodes alive at once."""
+
+    parquet: bool = False
+    """Also write ``trajectories.parquet``."""
+
+    output_dir: str = "runs/synth"
+    """Where ``trajectories.jsonl`` (SFT-ready), ``teacher.jsonl``, ``summary.json`` and the
+    resolved ``config.yaml`` go."""
+
+    @field_validator("filters", mode="before")
+    @classmethod
+    def _filters(cls, value: Any) -> Any:
+        """Each item as the CLI's text form, checked against the registered filters (unknown names
+        and options, bad values): ``{recovery: {prefer: true}}`` -> ``"recovery:prefer=true"``."""
+        from tracegym.synthesis import parse_filters
+
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value] if value.strip() else []
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list of filters, got {type(value).__name__}")
+        items = []
+        for item in value:
+            if isinstance(item, dict):
+                if len(item) != 1:
+                    raise ValueError(f"a filter with options is one mapping {{name: {{option: value}}}}, got {item!r}")
+                ((name, options),) = item.items()
+                options = {} if options is None else options
+                if not isinstance(options, dict):
+                    raise ValueError(f"filter {name!r}: options must be a mapping, got {options!r}")
+                item = name + "".join(f":{k}={json.dumps(v)}" for k, v in options.items())
+            elif not isinstance(item, str):
+                raise ValueError(f"a filter is a name or {{name: {{option: value}}}}, got {item!r}")
+            items.append(item)
+        if items == ["none"]:
+            return []
+        return [str(spec) for spec in parse_filters(items)]
 
 
 # --- loading, errors, overrides ---------------------------------------------------------------

@@ -32,6 +32,14 @@ request extensions are understood as vLLM does: ``return_tokens_as_token_ids`` (
 ``token_id:123``) and ``return_token_ids`` (the reply carries ``prompt_token_ids``), and on
 ``/v1/completions`` ``stop_token_ids`` (more ids that end the completion).
 
+``echo`` on ``/v1/completions`` (the legacy API's, as vLLM implements it): ``text`` starts with the
+prompt's text, and with ``logprobs: 0`` ``logprobs.tokens`` / ``token_logprobs`` start with the
+prompt's tokens and their log-probs (None for the first token), scored by the engine's
+``prompt_logprobs`` at temperature 1 (the raw distribution), then the sampled tokens'.
+``max_tokens: 0`` is allowed with ``echo`` only (the prompt's scores alone, nothing sampled). This is
+how a distillation teacher is served (``teacher.engine: openai``); an engine without
+``prompt_logprobs`` answers ``echo`` with ``logprobs`` with a 400 naming ``echo``.
+
 Errors are OpenAI-shaped everywhere: ``{"error": {"message", "type", "param", "code"}}`` (404
 ``model_not_found``, 400 for bad or unsupported parameters and for ``max_tokens`` beyond the
 context, 401 ``invalid_api_key``, 429 when the queue is full). ``ServerThread`` runs the server in
@@ -57,6 +65,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tracegym.engines.base import scores_prompts
 from tracegym.engines.openai import message_from_wire
 from tracegym.render.toolcalls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_assistant_text
 from tracegym.types import SamplingParams
@@ -149,6 +158,8 @@ class _Plan:
     token_id_text: bool = False  # return_tokens_as_token_ids: log-prob tokens read ``token_id:123``
     return_token_ids: bool = False  # return_token_ids: the reply carries ``prompt_token_ids``
     stop_ids: frozenset[int] = frozenset()  # the request's own stop ids (completions' stop_token_ids)
+    echo: bool = False  # completions' echo: the reply starts with the prompt (and its log-probs)
+    prompt_text: str = ""  # echo: the prompt as text (the request's own string, or its ids decoded)
 
 
 class _Decoder:
@@ -231,6 +242,14 @@ class _StepperBackend:
         self.engine = engine
         self.stepper = HFStepper(lambda: engine.model, max_batch_size=limits.max_batch_size,
                                  pad_token_id=engine.pad_token_id).start()
+        self.scores_prompts = scores_prompts(engine)
+        self._scoring = threading.Lock()  # one prompt scored at a time: bounded memory
+
+    def score(self, prompt: list[int]) -> list[float]:
+        """The prompt's log-probs (``HFEngine.prompt_logprobs``). It runs beside the stepper's steps
+        on the same eval-mode model: forward passes under inference mode share no state."""
+        with self._scoring:
+            return self.engine.prompt_logprobs([prompt])[0]
 
     def queued(self) -> int:
         return self.stepper.waiting_requests
@@ -269,6 +288,12 @@ class _SerialBackend:
         self._count = threading.Lock()
         caps = getattr(engine, "capabilities", None)
         self.returns_logprobs = bool(getattr(caps, "returns_logprobs", getattr(engine, "returns_logprobs", False)))
+        self.scores_prompts = scores_prompts(engine)
+
+    def score(self, prompt: list[int]) -> list[float]:
+        """The prompt's log-probs (the engine's ``prompt_logprobs``), between ``generate`` calls."""
+        with self.lock:
+            return self.engine.prompt_logprobs([prompt])[0]
 
     def queued(self) -> int:
         return self.waiting
@@ -544,10 +569,17 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
                 raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} such strings", "stop")
         return temperature, top_p, n, seed, stops
 
-    def completion_budget(body: dict[str, Any], key: str, prompt: list[int], prompt_param: str) -> int:
+    def completion_budget(body: dict[str, Any], key: str, prompt: list[int], prompt_param: str,
+                          allow_zero: bool = False) -> int:
         """The completion's token budget: ``body[key]`` checked against the limits and the context
-        left after ``prompt``, or (when absent) what is left of the context."""
+        left after ``prompt``, or (when absent) what is left of the context. ``allow_zero``: 0 means
+        nothing is sampled (echo: the prompt's scores alone), for a prompt that fits the context."""
         asked = body.get(key)
+        if allow_zero and asked == 0 and not isinstance(asked, bool):
+            if max_context is not None and len(prompt) > max_context:
+                raise _bad(f"the prompt has {len(prompt)} tokens; the context window is {max_context} tokens",
+                           prompt_param, "context_length_exceeded")
+            return 0
         if max_context is not None and len(prompt) >= max_context:
             raise _bad(f"the prompt has {len(prompt)} tokens; the context window is {max_context} tokens",
                        prompt_param, "context_length_exceeded")
@@ -580,8 +612,7 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
                 raise _bad(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
         if _boolean(body, "stream", False):
             raise _unsupported("stream is not supported on /v1/completions (use /v1/chat/completions)", "stream")
-        if _boolean(body, "echo", False):
-            raise _unsupported("echo is not supported", "echo")
+        echo = _boolean(body, "echo", False)
         raw = body.get("prompt")
         if isinstance(raw, str) and raw:
             prompt = list(tokenizer(raw, add_special_tokens=False)["input_ids"])
@@ -595,18 +626,32 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             logprobs = _integer(body, "logprobs", 0)
             if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
                 raise _bad(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}", "logprobs")
+            if echo and logprobs:
+                raise _unsupported("with echo, logprobs must be 0: the prompt's tokens are scored without "
+                                   "alternatives", "logprobs")
+            if echo and not backend.scores_prompts:
+                raise _unsupported("echo with logprobs needs an engine that scores prompts (prompt_logprobs); "
+                                   "this one does not", "echo")
             if not backend.returns_logprobs:
                 raise _unsupported("this engine does not return log-probs", "logprobs")
             if logprobs and not backend.top_logprobs:
                 raise _unsupported("this engine does not return top log-probs", "logprobs")
         extra_stops = frozenset(_token_ids(body["stop_token_ids"], "stop_token_ids")) if body.get("stop_token_ids") else frozenset()
-        max_tokens = completion_budget(body, "max_tokens", prompt, "prompt")
+        if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool) and not echo:
+            raise _bad("max_tokens must be >= 1 (0 only with echo: true, for the prompt's scores alone), got 0",
+                       "max_tokens")
+        max_tokens = completion_budget(body, "max_tokens", prompt, "prompt", allow_zero=echo)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
                                 stop=stops, stop_token_ids=tuple(sorted(stop_ids | extra_stops)))
+        prompt_text = ""
+        if echo:
+            prompt_text = raw if isinstance(raw, str) else tokenizer.decode(
+                prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return _Plan(prompt=prompt, params=params, tools_mode=False, stream=False, include_usage=False,
                      logprobs=logprobs is not None, top_logprobs=logprobs or 0, stop_after=(), logit_bias={},
                      token_id_text=_boolean(body, "return_tokens_as_token_ids", False),
-                     return_token_ids=_boolean(body, "return_token_ids", False), stop_ids=extra_stops)
+                     return_token_ids=_boolean(body, "return_token_ids", False), stop_ids=extra_stops,
+                     echo=echo, prompt_text=prompt_text)
 
     async def read_body(request: Request) -> dict[str, Any]:
         try:
@@ -617,12 +662,15 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             raise _bad("the request body must be a JSON object")
         return body
 
-    def start(plan: _Plan, body: dict[str, Any]) -> tuple[list[_Choice], asyncio.Queue, _Handle]:
-        """Check the model and the queue, then hand ``plan`` to the backend; its tokens arrive as
-        events on the returned queue."""
+    def check_model(body: dict[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model != model_name:
             raise _model_not_found(str(model))
+
+    def start(plan: _Plan, body: dict[str, Any]) -> tuple[list[_Choice], asyncio.Queue, _Handle]:
+        """Check the model and the queue, then hand ``plan`` to the backend; its tokens arrive as
+        events on the returned queue."""
+        check_model(body)
         if backend.queued() >= limits.max_queue:
             raise APIError(429, f"the server is busy: {backend.queued()} requests are already waiting; retry later",
                            type="rate_limit_error", code="rate_limit_exceeded")
@@ -702,19 +750,49 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             reply["prompt_token_ids"] = list(plan.prompt)
         return reply
 
+    async def score_prompt(plan: _Plan, handle: _Handle | None) -> list[float]:
+        """The prompt's log-probs for an echo reply (engine errors: 400 for a ``ValueError``, else 500;
+        the generation in flight, if any, is cancelled)."""
+        try:
+            scores = await asyncio.to_thread(backend.score, plan.prompt)
+        except ValueError as exc:
+            if handle is not None:
+                handle.cancel()
+            raise _bad(str(exc), "prompt") from None
+        except Exception:  # noqa: BLE001 - reported to the client as a 500
+            log.exception("serve: scoring the prompt failed")
+            if handle is not None:
+                handle.cancel()
+            raise APIError(500, "scoring the prompt failed (see the server log)", type="server_error") from None
+        if len(scores) != len(plan.prompt) - 1:
+            raise APIError(500, f"the engine scored {len(scores)} of the prompt's {len(plan.prompt) - 1} tokens",
+                           type="server_error")
+        return scores
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
         plan = plan_completion(body)
-        choices, events, handle = start(plan, body)
-        gone = await finish_all(request, choices, events, handle)
-        if gone is not None:
-            return gone
+        running: tuple[asyncio.Queue, _Handle] | None = None
+        if plan.params.max_tokens == 0:  # echo only: nothing is sampled
+            check_model(body)
+            choices = [_Choice(i, finish="length") for i in range(plan.params.n)]
+        else:
+            choices, events, handle = start(plan, body)
+            running = (events, handle)
+        # the prompt is scored while the completion is sampled
+        prompt_scores = None
+        if plan.echo and plan.logprobs:
+            prompt_scores = await score_prompt(plan, running[1] if running is not None else None)
+        if running is not None:
+            gone = await finish_all(request, choices, *running)
+            if gone is not None:
+                return gone
         out = []
         for choice in choices:
             item: dict[str, Any] = {
-                "index": choice.index, "text": _completion_text(plan, choice),
-                "logprobs": _completion_logprobs(plan, choice) if plan.logprobs else None,
+                "index": choice.index, "text": plan.prompt_text + _completion_text(plan, choice),
+                "logprobs": _completion_logprobs(plan, choice, prompt_scores) if plan.logprobs else None,
                 "finish_reason": "length" if choice.finish == "length" else "stop",
                 "token_ids": list(choice.tokens),
             }
@@ -794,10 +872,25 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
         return tokenizer.decode([t for t in choice.tokens if t not in stops], skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
 
-    def _completion_logprobs(plan: _Plan, choice: _Choice) -> dict[str, Any]:
-        """The legacy completions shape: one entry per sampled token (stop tokens included)."""
-        tokens, offsets, tops = [], [], []
+    def _completion_logprobs(plan: _Plan, choice: _Choice, prompt_scores: list[float] | None = None) -> dict[str, Any]:
+        """The legacy completions shape: one entry per sampled token (stop tokens included), after
+        one per prompt token with ``echo`` (``prompt_scores``: ``len(prompt) - 1`` log-probs; the
+        first prompt token has None, as nothing predicts it)."""
+        tokens: list[str] = []
+        offsets: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         offset = 0
+        if plan.echo:
+            assert prompt_scores is not None
+            for k, token in enumerate(plan.prompt):
+                text, _ = _shown(plan, token)
+                tokens.append(text)
+                offsets.append(offset)
+                offset += len(token_text(token)[0])
+                value = None if k == 0 else _finite(prompt_scores[k - 1])
+                values.append(value)
+                tops.append(None if value is None else {text: value})
         for k, token in enumerate(choice.tokens):
             text, _ = _shown(plan, token)
             tokens.append(text)
@@ -806,9 +899,9 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
             top = {text: _finite(choice.logprobs[k])}
             for alt, lp in choice.tops[k] or ():
                 top.setdefault(_shown(plan, alt)[0], _finite(lp))
+            values.append(_finite(choice.logprobs[k]))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in choice.logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _stream_content(plan: _Plan, choice: _Choice, final: bool) -> str:
         """The content that can be sent now without ever being taken back."""

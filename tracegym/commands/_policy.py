@@ -76,12 +76,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_env_arguments(parser: argparse.ArgumentParser, *, default_split: str) -> None:
+def add_env_arguments(parser: argparse.ArgumentParser, *, default_split: str, env_required: bool = True) -> None:
     """``--env``, ``--env-option``, ``--split``, ``--task-seed`` and ``--plugin`` (modules that register
     envs, imported by ``tracegym.cli`` before the command runs)."""
     from tracegym.commands._config import add_plugin_argument
 
-    parser.add_argument("--env", required=True, help="environment name (see `tracegym envs`; --plugin adds more)")
+    parser.add_argument("--env", required=env_required, help="environment name (see `tracegym envs`; --plugin adds more)")
     parser.add_argument("--env-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                         help="env constructor option, value parsed as YAML (repeatable), e.g. num_calls=3")
     parser.add_argument("--split", default=default_split, choices=["train", "test"],

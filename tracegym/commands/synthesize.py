@@ -5,6 +5,7 @@
         --teacher https://api.example.com/v1 --teacher-model big-model --api-key-env TEACHER_KEY \\
         --student smollm2-135m --filters success,pareto,recovery:prefer,dedupe --out runs/synth
     tracegym synthesize --env calculator --teacher runs/rl/final --student smollm2-135m --out runs/synth
+    tracegym synthesize --config examples/synthesize_calculator.yaml [tasks=50 teacher.source=URL ...]
 
 ``--teacher`` is ``expert`` (the env's scripted expert), a URL of an OpenAI-compatible server (the
 model id from ``--teacher-model``, default the server's only model; the key from the environment
@@ -12,6 +13,11 @@ variable ``--api-key-env``, never printed or written), or a local model name/fol
 own renderer or ``--teacher-renderer``). Writes ``OUT/trajectories.jsonl`` (SFT-ready for
 ``--student``), ``OUT/teacher.jsonl`` (every teacher episode, before the filters) and
 ``OUT/summary.json``; see ``tracegym/synthesis.py`` and docs/synthesis.md.
+
+With ``--config`` every setting comes from a YAML file (``SynthesizeConfig``: the flags' names as
+keys, ``teacher``/``student``/``env`` as sections, ``filters`` as a list whose items may carry
+options); ``KEY=VALUE`` overrides change it, the flags are then refused (one source of truth), and
+the resolved config is written to ``OUT/config.yaml``.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ HELP = "Let a teacher (expert, endpoint or model) play an env; filter and re-ren
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_env_arguments(parser, default_split="train")
+    parser.add_argument("--config", "-c", default=None, metavar="FILE",
+                        help="all settings from a YAML file (SynthesizeConfig, docs/configuration.md); then only "
+                             "KEY=VALUE overrides, no other flags")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="with --config: overrides, VALUE parsed as YAML: tasks=50 'filters=[success, pareto]'")
+    parser.add_argument("--print-config", action="store_true", help="with --config: print the resolved config and exit")
+    add_env_arguments(parser, default_split="train", env_required=False)
     parser.add_argument("--tasks", type=positive_int, default=8, help="number of tasks (default 8)")
     parser.add_argument("--samples", type=positive_int, default=4, help="teacher samples per task (default 4)")
-    parser.add_argument("--teacher", required=True, metavar="expert|MODEL|URL",
+    parser.add_argument("--teacher", default=None, metavar="expert|MODEL|URL",
                         help="'expert', a local model name/folder, or an OpenAI-compatible server URL "
                              "(http://host:port/v1)")
     parser.add_argument("--teacher-model", default=None,
@@ -56,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=positive_int, default=16, help="episodes alive at once (default 16)")
     parser.add_argument("--parquet", action="store_true", help="also write OUT/trajectories.parquet")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", default=None, help="output folder")
 
 
 def _setup(args: argparse.Namespace) -> tuple:
@@ -105,14 +117,76 @@ def _setup(args: argparse.Namespace) -> tuple:
     return env_options, tasks, filters, renderer, config, teacher
 
 
+# flag (argparse dest) -> SynthesizeConfig key, for the flags --config replaces
+CONFIG_KEYS = {
+    "env": "env.name", "env_option": "env.options", "split": "split", "tasks": "tasks", "task_seed": "task_seed",
+    "samples": "samples", "teacher": "teacher.source", "teacher_model": "teacher.model",
+    "teacher_renderer": "teacher.renderer", "api_key_env": "teacher.api_key_env", "student": "student.model",
+    "student_renderer": "student.renderer", "filters": "filters", "max_turns": "max_turns",
+    "max_tokens_per_turn": "max_tokens_per_turn", "max_context": "max_context", "temperature": "temperature",
+    "top_p": "top_p", "seed": "seed", "timeout": "timeout", "concurrency": "concurrency", "parquet": "parquet",
+    "out": "output_dir",
+}
+
+
+def apply_config(args: argparse.Namespace, parser_defaults: dict) -> object | int:
+    """``args`` filled from ``--config`` + overrides (the SynthesizeConfig, or an exit code: 2 for a
+    bad config or a flag given beside it, 0 after ``--print-config``)."""
+    import sys
+
+    from tracegym.commands._config import load_for_command
+    from tracegym.config import SynthesizeConfig
+
+    given = [k for k in CONFIG_KEYS if getattr(args, k) != parser_defaults.get(k)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        print(f"error: {flag} cannot be used with --config: set {CONFIG_KEYS[given[0]]}=VALUE instead", file=sys.stderr)
+        return 2
+    cfg = load_for_command(SynthesizeConfig, args)
+    if isinstance(cfg, int):
+        return cfg
+    values = {
+        "env": cfg.env.name, "env_option": list(cfg.env.options.items()), "split": cfg.split, "tasks": cfg.tasks,
+        "task_seed": cfg.task_seed, "samples": cfg.samples, "teacher": cfg.teacher.source,
+        "teacher_model": cfg.teacher.model, "teacher_renderer": cfg.teacher.renderer,
+        "api_key_env": cfg.teacher.api_key_env, "student": cfg.student.model,
+        "student_renderer": cfg.student.renderer, "filters": list(cfg.filters), "max_turns": cfg.max_turns,
+        "max_tokens_per_turn": cfg.max_tokens_per_turn, "max_context": cfg.max_context,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "timeout": cfg.timeout,
+        "concurrency": cfg.concurrency, "parquet": cfg.parquet, "out": cfg.output_dir,
+    }
+    for key, value in values.items():
+        setattr(args, key, value)
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
+    from tracegym.commands._policy import UsageError
     from tracegym.synthesis import synthesize
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = None
+    if args.config is not None:
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        cfg = apply_config(args, vars(defaults.parse_args([])))
+        if isinstance(cfg, int):
+            return cfg
+    else:
+        if args.overrides or args.print_config:
+            raise UsageError("KEY=VALUE overrides and --print-config need --config")
+        missing = [flag for flag, value in (("--env", args.env), ("--teacher", args.teacher), ("--out", args.out))
+                   if value is None]
+        if missing:
+            raise UsageError(f"{', '.join(missing)} required (or --config FILE)")
     env_options, tasks, filters, renderer, config, teacher = _setup(args)
+    if cfg is not None:
+        from tracegym.config import dump_config
+
+        dump_config(cfg, args.out)
     try:
         result = synthesize(
             args.env, env_options, tasks, teacher, renderer, args.samples, filters, args.out,

@@ -8,6 +8,15 @@ The RL recipe speaks to an engine through the ``Sampler`` protocol: ``generate``
 the log-probs of what it sampled? the exact token ids?). An engine that cannot return sampled
 log-probs or exact token ids is refused by ``tracegym.engines.require_rl_sampler`` with a one-line
 error. Engines are built with ``tracegym.engines.make_engine``.
+
+Scoring given sequences (``PromptScorer``): ``prompt_logprobs(sequences)`` returns, for each token
+sequence, ``log p(seq[i] | seq[:i])`` for ``i = 1 .. len(seq) - 1`` (``len(seq) - 1`` floats; the first
+token has no prediction), under the model's raw distribution at temperature 1: no top-p, no
+penalty, no logit bias. It is what a distillation teacher needs (``tracegym distill`` with
+``teacher.engine: vllm | openai``): the student's own tokens scored id for id, the log-prob of each
+actual next token only, never a full distribution. ``hf`` runs one teacher-forced forward pass per
+batch of sequences; ``vllm`` asks vLLM for ``prompt_logprobs``; ``openai`` sends ``echo`` with
+``logprobs`` to ``/completions`` (vLLM's ``vllm serve``, ``tracegym serve``).
 """
 
 from __future__ import annotations
@@ -40,6 +49,36 @@ class EngineCapabilities:
     returns_logprobs: bool = True
     exact_token_ids: bool = True
     weight_sync: WeightSync = "none"
+
+
+@runtime_checkable
+class PromptScorer(Protocol):
+    """An engine that scores given token sequences (see the module docstring)."""
+
+    name: str
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]: ...
+
+
+def scores_prompts(engine: Any) -> bool:
+    """Whether ``engine`` has ``prompt_logprobs`` (a remote server may still refuse it when called)."""
+    return callable(getattr(engine, "prompt_logprobs", None))
+
+
+def prompt_sequences(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``sequences`` as lists of ints, checked: a list of sequences (not one flat sequence), none
+    empty, ids non-negative ints. Raises ``ValueError`` naming the first bad sequence."""
+    if isinstance(sequences, (str, bytes)) or (len(sequences) and isinstance(sequences[0], int)):
+        raise TypeError("prompt_logprobs takes a list of token sequences, not one sequence")
+    rows: list[list[int]] = []
+    for i, seq in enumerate(sequences):
+        row = [int(t) for t in seq]
+        if not row:
+            raise ValueError(f"sequence {i} is empty: there is nothing to score")
+        if min(row) < 0:
+            raise ValueError(f"sequence {i} holds a negative token id ({min(row)})")
+        rows.append(row)
+    return rows
 
 
 @runtime_checkable

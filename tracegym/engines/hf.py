@@ -46,6 +46,14 @@ would see the holes differently.
 ``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped
 (``turn_tokens_reused`` the part of the latter that came from the turn cache).
 
+Scoring given sequences (``prompt_logprobs``): one teacher-forced forward pass per batch of
+right-padded sequences, ``log_softmax`` at temperature 1 in float32 gathered at each next token
+(``tracegym.train.logprobs.token_logprobs``, chunked over positions, a shared prefix run once).
+Batches are cut by ``max_batch_size`` rows and by ``prompt_batch_tokens`` (rows x longest row), which
+bounds the model's ``[rows, L, V]`` logits; a longer sequence runs alone. Right padding keeps every
+real token at its own position and a causal model never lets it see a pad, so each value equals
+the unpadded sequence's own forward pass up to float rounding (~1e-6 in fp32, tested).
+
 Weight sync (``update_weights``): the engine holds a *reference* to a module. Passing the trainer's
 module (a plain model or a peft/LoRA ``PeftModel``) makes the engine generate with it directly: no
 copy, no reload from disk, LoRA adapters applied by peft's forward. Passing a state dict copies the
@@ -137,6 +145,8 @@ class HFEngine(Engine):
         turn_cache_mb: memory bound of the previous-turn store (0: off). SmolLM2-135M holds about
             46 KB per token (30 layers x 2 x 3 KV heads x 64 x 4 bytes), so 1024 MB keeps about 22k
             tokens: 45 episodes of 500 tokens waiting for their env.
+        prompt_batch_tokens: ``prompt_logprobs`` batches at most this many padded tokens (rows x
+            longest row): its logits are ``[rows, L, V]`` (4096 tokens x 49k vocab x 4 bytes = 800 MB).
     """
 
     name = "hf"
@@ -158,11 +168,14 @@ class HFEngine(Engine):
         prefix_cache: bool = True,
         min_shared_prefix: int = 16,
         turn_cache_mb: float = 1024.0,
+        prompt_batch_tokens: int = 4096,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if min_shared_prefix < 1:
             raise ValueError("min_shared_prefix must be >= 1")
+        if prompt_batch_tokens < 1:
+            raise ValueError("prompt_batch_tokens must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
@@ -170,6 +183,7 @@ class HFEngine(Engine):
         self.pad_token_id = pad_token_id
         self.prefix_cache = prefix_cache
         self.min_shared_prefix = min_shared_prefix
+        self.prompt_batch_tokens = prompt_batch_tokens
         if turn_cache_mb < 0:
             raise ValueError("turn_cache_mb must be >= 0")
         self.turn_cache_bytes = int(turn_cache_mb * 2**20) if prefix_cache else 0
@@ -241,6 +255,53 @@ class HFEngine(Engine):
             assert g is not None
             grouped[pi].append(g)
         return grouped
+
+    # -- scoring given sequences ---------------------------------------------------------------------
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each sequence, ``log p(seq[i] | seq[:i])`` for ``i >= 1`` (``len(seq) - 1`` floats) under
+        the model's raw distribution at temperature 1, from teacher-forced forward passes (see the
+        module docstring). The model's active adapter applies, as in ``generate``."""
+        from tracegym.engines.base import prompt_sequences
+        from tracegym.train.logprobs import token_logprobs
+
+        rows = prompt_sequences(sequences)
+        results: list[list[float]] = [[] for _ in rows]
+        order = sorted((i for i, row in enumerate(rows) if len(row) >= 2), key=lambda i: -len(rows[i]))
+        device = self.device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for chunk in self._score_chunks(order, rows):
+                    width = len(rows[chunk[0]])  # sorted longest first
+                    input_ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)  # [b, L]
+                    attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)  # [b, L]
+                    for b, i in enumerate(chunk):
+                        input_ids[b, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+                        attention_mask[b, : len(rows[i])] = 1
+                    self.forward_calls += 1
+                    # [b, L - 1], target-aligned: column t is log p(token t + 1 | tokens <= t)
+                    values = token_logprobs(self.model, input_ids.to(device), attention_mask.to(device), 1.0).cpu()
+                    for b, i in enumerate(chunk):
+                        results[i] = values[b, : len(rows[i]) - 1].tolist()
+        finally:
+            if was_training:
+                self.model.train()
+        return results
+
+    def _score_chunks(self, order: list[int], rows: list[list[int]]) -> list[list[int]]:
+        """``order`` (longest first) cut into batches of at most ``max_batch_size`` rows and
+        ``prompt_batch_tokens`` padded tokens (a row longer than that alone)."""
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks:
+                chunk = chunks[-1]
+                width = len(rows[chunk[0]])
+                if len(chunk) < self.max_batch_size and (len(chunk) + 1) * width <= self.prompt_batch_tokens:
+                    chunk.append(i)
+                    continue
+            chunks.append([i])
+        return chunks
 
     def _forward(self, names: list[str] | None = None, **kw: Any) -> torch.Tensor:
         """Last-position logits [B, V]; ``names``: the adapter of each of the B rows (None: the

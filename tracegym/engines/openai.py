@@ -50,6 +50,18 @@ server, and recent vLLM keys prefix-cache blocks by adapter name, so reusing the
 KV computed with the old weights, vllm-project/vllm#30931), routes ``name`` to it, then unloads the
 previous version. See docs/multi_lora.md.
 
+Scoring given sequences (``prompt_logprobs``, a distillation teacher): one ``POST /completions`` per
+sequence with the token ids as ``prompt``, ``echo: true``, ``logprobs: 0``, ``max_tokens: 1`` and
+``temperature: 1`` (the legacy OpenAI way, which vLLM and ``tracegym serve`` implement): the reply's
+``logprobs.token_logprobs`` starts with the prompt's (``None`` for the first token), then the one
+sampled token's, which is dropped. vLLM's own ``prompt_logprobs`` field (``[None, {"<id>":
+{"logprob": ...}}, ...]``) is read instead when the reply carries it, the actual token's entry picked
+by id. Where the server names the ids it scored (``token_id:123`` tokens, ``prompt_token_ids``) they
+must be the ids sent. vLLM reports these under ``--logprobs-mode raw_logprobs`` (its default; at
+temperature 1 with no top-p ``processed_logprobs`` gives the same numbers, the ``*_logits`` modes do
+not); its context window must hold each sequence plus the one sampled token. A server that refuses
+``echo`` gets a one-line error saying so.
+
 The API key is read from the environment variable named by ``api_key_env`` (default
 ``OPENAI_API_KEY``) when the engine is built. It is sent only in the ``Authorization`` header; it
 never appears in ``repr``, logs, error messages (every error text is redacted) or trajectories.
@@ -270,6 +282,37 @@ def _completion_tokens(choice: dict[str, Any]) -> tuple[list[int] | None, list[f
         if all(i is not None for i in found):
             ids = [int(i) for i in found if i is not None]
     return ids, values
+
+
+def _prompt_scores(choice: dict[str, Any], prompt: list[int]) -> list[float]:
+    """The prompt's log-probs in an ``echo`` reply (``len(prompt) - 1`` floats): vLLM's
+    ``prompt_logprobs`` (the actual token's entry, by id) when present, else the first
+    ``len(prompt)`` entries of ``logprobs.token_logprobs`` (the first one is None). Raises
+    ``ValueError`` naming what is missing or inconsistent."""
+    listed = choice.get("prompt_logprobs")
+    if isinstance(listed, list) and len(listed) >= len(prompt):
+        out = []
+        for i in range(1, len(prompt)):
+            entry = listed[i]
+            if not isinstance(entry, dict):
+                raise ValueError(f"prompt_logprobs[{i}] is not a mapping of token ids")
+            found = entry.get(str(prompt[i]), entry.get(prompt[i]))  # type: ignore[call-overload]
+            if found is None:
+                raise ValueError(f"prompt_logprobs[{i}] has no entry for the prompt's token {prompt[i]}")
+            out.append(found.get("logprob") if isinstance(found, dict) else found)
+        return _logprob_values(out)
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list):
+        raise ValueError("no logprobs.token_logprobs (and no prompt_logprobs) in the reply")
+    if len(values) < len(prompt):
+        raise ValueError(f"{len(values)} token log-probs for a prompt of {len(prompt)} tokens: the server did not echo it")
+    tokens = logprobs.get("tokens")
+    if isinstance(tokens, list) and len(tokens) >= len(prompt):
+        ids = [_placeholder_id(t) for t in tokens[: len(prompt)]]
+        if all(i is not None for i in ids) and ids != prompt:
+            raise ValueError("the echoed token ids are not the prompt's: the server scored other tokens")
+    return _logprob_values(values[1 : len(prompt)])
 
 
 def _error_names(detail: str, field: str) -> bool:
@@ -773,6 +816,85 @@ class OpenAIEngine(Engine):
                     f"{', '.join(ID_EXTENSIONS)}); use a server that returns them (vLLM >= 0.10.2, tracegym serve), "
                     "or token_ids: local with allow_retokenized: true to accept re-tokenized ids")
         return [[s.generation for s in row] for row in samples]
+
+    # -- scoring given sequences (echo) ---------------------------------------------------------------
+    def _echo(self, prompt: list[int], token_ids: bool) -> dict[str, Any]:
+        """The one choice of ``POST /completions`` echoing ``prompt`` with its log-probs (see the module
+        docstring); ``token_ids`` asks vLLM's id extensions too (tokens then read ``token_id:123``)."""
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "echo": True,
+            "logprobs": 0,  # the actual token's log-prob only, at every position
+            "max_tokens": 1,  # one sampled token, dropped: some servers refuse 0
+            "temperature": 1.0,
+            "top_p": 1.0,
+        }
+        if token_ids:
+            body.update(dict.fromkeys(ID_EXTENSIONS, True))
+        body.update(self.extra_body)
+        try:
+            data = self._post_adapting("/completions", body)
+        except OpenAIEngineError as exc:
+            if exc.status_code == 400 and _error_names(exc.detail, "echo"):
+                raise OpenAIEngineError(self._redact(
+                    f"{self.base_url}/completions does not score prompts (echo with logprobs): "
+                    f"{_server_message(exc.detail)}; serve the teacher with vllm serve or tracegym serve"),
+                    exc.status_code, exc.detail) from None
+            raise
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise OpenAIEngineError(self._redact(f"malformed response from /completions (no choices): {json.dumps(data)[:300]}"))
+        self._count_usage(data)
+        choice = dict(choices[0])
+        if "prompt_token_ids" not in choice and "prompt_token_ids" in data:
+            choice["prompt_token_ids"] = data["prompt_token_ids"]
+        return choice
+
+    def _score_one(self, prompt: list[int]) -> list[float]:
+        if len(prompt) < 2:
+            return []  # nothing to predict: no request
+        choice = self._echo(prompt, self.token_ids == "server")
+        used = _int_list(choice.get("prompt_token_ids"))
+        if used is not None and used != prompt:
+            raise OpenAIEngineError(f"{self.base_url}/completions scored other ids than the {len(prompt)} sent "
+                                    f"({len(used)} used): its log-probs would not be the sequence's")
+        try:
+            return _prompt_scores(choice, prompt)
+        except (TypeError, ValueError) as exc:
+            raise OpenAIEngineError(self._redact(
+                f"{self.base_url}/completions with echo: {exc}: {json.dumps(choice)[:300]}")) from None
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each token sequence, ``log p(seq[i] | seq[:i])`` for ``i >= 1`` (``len(seq) - 1`` floats)
+        under the served model at temperature 1: one echo request per sequence, up to
+        ``max_concurrency`` in flight, retried like every request (see the module docstring)."""
+        from tracegym.engines.base import prompt_sequences
+
+        rows = prompt_sequences(sequences)
+        return self._map(self._score_one, rows)
+
+    def prompt_token_texts(self, prompt: Sequence[int]) -> list[str] | None:
+        """How the server reads each id of ``prompt``: the ``tokens`` of an echo reply asked without
+        the id extensions (the server's own decoding of every id), or None when it gives no text."""
+        row = [int(t) for t in prompt]
+        logprobs = self._echo(row, False).get("logprobs")
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        if not isinstance(tokens, list) or len(tokens) < len(row) or not all(isinstance(t, str) for t in tokens):
+            return None
+        if all(_placeholder_id(t) is not None for t in tokens[: len(row)]):
+            return None  # ids, not text (a server that always answers with ids)
+        return list(tokens[: len(row)])
+
+    def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        """``[fn(item) for item in items]``, up to ``max_concurrency`` at once on the engine's pool."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="tracegym-openai")
+            pool = self._pool
+        return list(pool.map(fn, items))
 
     # -- LoRA adapters on a vLLM server ---------------------------------------------------------------
     def model_for(self, adapter: str | None) -> str:

@@ -25,6 +25,14 @@
   vllm-project/vllm#30931); the previous id is removed from vLLM (``llm_engine.remove_lora``)
   and its folder deleted. docs/multi_lora.md has the whole story.
 
+- Scoring given sequences (``prompt_logprobs``, a distillation teacher): each sequence goes in as
+  ``TokensPrompt`` with ``SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0,
+  prompt_logprobs=0, detokenize=False)``; vLLM's ``RequestOutput.prompt_logprobs`` holds None for the
+  first token, then one ``{token_id: Logprob}`` per position that always includes the actual token
+  (``prompt_logprobs=0``: only it), whose ``.logprob`` is taken. vLLM computes prompt log-probs from
+  the raw logits (its V1 runner; at temperature 1 with no top-p the ``processed_logprobs`` mode of
+  this engine is the same distribution), and does not use its prefix cache for such requests.
+
 vLLM is imported only when this engine is built; without it the error names the extra to install.
 ``bench/gpu_vllm_check.py`` checks log-probs against a teacher-forced HF forward pass on a GPU;
 ``bench/gpu_multi_lora_check.py`` does the same for a mixed batch of LoRA adapters and a hot swap.
@@ -233,6 +241,40 @@ class VLLMEngine(Engine):
             results.append(gens)
         return results
 
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each token sequence, ``log p(seq[i] | seq[:i])`` for ``i >= 1`` (``len(seq) - 1`` floats)
+        at temperature 1, from vLLM's ``prompt_logprobs`` (see the module docstring), all sequences
+        in one ``LLM.generate`` call. Rows are scored with the default adapter, as ``generate`` samples."""
+        from vllm.inputs import TokensPrompt
+
+        from tracegym.engines.base import prompt_sequences
+
+        rows = prompt_sequences(sequences)
+        results: list[list[float]] = [[] for _ in rows]
+        todo = [i for i, row in enumerate(rows) if len(row) >= 2]  # one token: nothing to predict
+        if not todo:
+            return results
+        sampling = self._vllm.SamplingParams(
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=1,  # the one sampled token is not used
+            prompt_logprobs=0,  # the actual token's log-prob at every prompt position, no alternatives
+            detokenize=False,
+        )
+        inputs = [TokensPrompt(prompt_token_ids=rows[i]) for i in todo]
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False, lora_request=self._lora_request)
+        if len(outputs) != len(todo):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(todo)} sequences")
+        for i, out in zip(todo, outputs):
+            results[i] = _prompt_values(out, rows[i])
+        return results
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer vLLM loaded with the model (``LLM.get_tokenizer()``)."""
+        return self.llm.get_tokenizer()
+
     def lora_requests_for(self, count: int, adapters: Sequence[str | None] | None) -> Any:
         """What ``LLM.generate`` gets as ``lora_request`` for ``count`` prompts: None (no LoRA),
         one ``LoRARequest`` for all, or a list with one ``LoRARequest`` or None per prompt (vLLM's
@@ -404,6 +446,28 @@ class VLLMEngine(Engine):
             self._lora_dir.cleanup()
             self._lora_dir = None
             self._owned.clear()
+
+
+def _prompt_values(output: Any, row: list[int]) -> list[float]:
+    """The actual tokens' log-probs ``[len(row) - 1]`` of one ``RequestOutput`` asked with
+    ``prompt_logprobs``: entry ``i`` maps token ids to ``Logprob`` objects (``.logprob``); entry 0 is None."""
+    used = getattr(output, "prompt_token_ids", None)
+    if used is not None and [int(t) for t in used] != row:
+        raise RuntimeError(f"vLLM scored other prompt ids than the {len(row)} given ({len(used)} used)")
+    scores = getattr(output, "prompt_logprobs", None)
+    if scores is None or len(scores) < len(row):
+        raise RuntimeError(f"vLLM returned {0 if scores is None else len(scores)} prompt log-probs for a sequence of "
+                           f"{len(row)} tokens (asked with prompt_logprobs=0)")
+    values: list[float] = []
+    for i in range(1, len(row)):
+        try:  # a dict per position (or, with flat_logprobs, a mapping-like view of one)
+            found = scores[i][row[i]]
+        except (KeyError, TypeError, IndexError):
+            found = None
+        if found is None:
+            raise RuntimeError(f"vLLM's prompt log-probs at position {i} lack the sequence's token {row[i]}")
+        values.append(float(getattr(found, "logprob", found)))
+    return values
 
 
 def merged_state_dict(peft_model: Any) -> dict[str, Any]:

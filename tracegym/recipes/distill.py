@@ -5,7 +5,7 @@ One step, top to bottom (``train_distill`` below reads exactly like this)::
     tasks   = tasks_at(train_tasks, seed, cursor, tasks_per_step)       # rl.py: seeded, resumable order
     groups  = collect_groups(sampler, cfg, tasks, renderer, seed=...)   # rl.py: student episodes, engine log-probs kept
     data    = examples_from_groups(groups, renderer)                    # advantages 0; loss mask 1 on sampled tokens
-    batch   = score_with_teacher(model, teacher, make_batch(data), ...) # teacher log-probs of the sampled tokens,
+    batch   = score_with_teacher(model, teacher, make_batch(data), ...) # teacher.score: log-probs of the sampled tokens,
                                                                         # A_t = -(log pi_student - log pi_teacher)
     metrics = policy_update(model, batch, loss, optimizer)              # importance-weighted PG (TIS to the sampler)
               or jsd_update(model, teacher, batch, beta, optimizer)     # GKD: generalized JSD over the vocabulary
@@ -37,18 +37,33 @@ sampled position (the states come from the student; the whole vocabulary is comp
 needs the teacher's full logits: a local teacher. It is computed chunk by chunk of positions without
 extra ``[B, L, V]`` float copies (``generalized_jsd``), like ``tracegym.train.logprobs``.
 
-Not here: a teacher served by vLLM or an OpenAI-compatible server (prompt log-probs). The engines
-(``tracegym/engines/vllm.py``, ``openai.py``) return the log-probs of sampled tokens only, not of a
-given prompt, so the teacher is a local model folder (+ adapter) with the student's tokenizer.
+The teacher (``Teacher``: ``score(batch) -> [B, T]`` log-probs of the batch's target tokens, aligned
+like the student's) is one of:
+
+- ``LocalTeacher`` (``teacher.engine: hf``): a model folder (+ adapter) loaded with transformers in
+  this process, scored by ``batch_logprobs`` exactly as the student is (micro-batches, right padding,
+  float32 log-softmax); it also gives the full logits ``loss: jsd`` needs.
+- ``EngineTeacher`` (``vllm`` in process, ``openai`` over HTTP: ``vllm serve``, ``tracegym serve``):
+  an engine's ``prompt_logprobs`` on each row's un-padded tokens (up to its last trained token),
+  scattered into ``[B, T]`` (column ``t`` holds the log-prob of token ``t + 1``). Only the actual
+  tokens' log-probs come back, never a distribution, so ``loss: jsd`` is refused for it (config).
+
+Either way the teacher must read the student's token ids as the student does. A local or vLLM
+teacher's tokenizer is compared with the student's (``check_same_tokenizer``); a server's cannot be
+read, so ``check_remote_tokenizer`` sends the student's ids of probe strings (echo, no id
+extensions) and compares the server's text of each id with the student's: a server with another
+vocabulary reads them as other text. The server must still serve a model with the student's
+tokenizer: the check catches a different vocabulary, not every difference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -74,6 +89,8 @@ from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradient
 from tracegym.train.policy_update import batch_logprobs, policy_update, reduce_part_metrics, score_batch
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
+
+log = logging.getLogger(__name__)
 
 JSD_CHUNK_ROWS = 256  # positions per chunk: a few [256, V] float32 temporaries (49k vocab: ~50 MB each)
 
@@ -136,6 +153,167 @@ def check_same_tokenizer(student: Any, teacher: Any, teacher_name: str) -> None:
                          "distillation scores the student's tokens with the teacher id for id")
 
 
+def _bare(text: str) -> str:
+    return "".join(text.split())
+
+
+def remote_tokenizer_mismatch(student: Any, ids: Sequence[int], texts: Sequence[str]) -> str | None:
+    """Why a server reading ``ids`` as ``texts`` (its text of each id) does not share ``student``'s
+    tokenizer (None when it does). Each id's text is compared with the student's decoding of it (or
+    its raw token piece), whitespace ignored; ids whose text is empty or a partial UTF-8 sequence
+    on either side are skipped, and up to 10% may differ (decoding quirks): another vocabulary
+    reads nearly every id as other text."""
+    compared, differing = 0, []
+    for token, theirs in zip(ids, texts):
+        ours = student.decode([int(token)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        piece = student.convert_ids_to_tokens(int(token))
+        a, b = _bare(ours), _bare(theirs)
+        if not a or not b or "\ufffd" in a or "\ufffd" in b:
+            continue
+        compared += 1
+        if b not in (a, _bare(piece if isinstance(piece, str) else "")):
+            differing.append((int(token), ours, theirs))
+    if differing and len(differing) * 10 > compared:
+        token, ours, theirs = differing[0]
+        return (f"the server reads {len(differing)} of {compared} probe token ids as other text "
+                f"(id {token}: {ours!r} for the student, {theirs!r} on the server)")
+    return None
+
+
+def check_remote_tokenizer(engine: Any, student: Any, teacher_name: str) -> None:
+    """Raise a one-line ``ValueError`` when a served teacher reads the student's token ids of the
+    probe strings as other text (``remote_tokenizer_mismatch``), or when the server cannot be
+    asked. A server that returns no token text cannot be checked: logged, not refused."""
+    ids = [int(t) for text in TOKENIZER_PROBES for t in student.encode(text, add_special_tokens=False)]
+    where = getattr(engine, "base_url", getattr(engine, "name", "the teacher engine"))
+    try:
+        texts = engine.prompt_token_texts(ids)
+    except RuntimeError as exc:  # OpenAIEngineError: the server refused or did not answer
+        raise ValueError(f"teacher {teacher_name!r} at {where}: {exc}") from None
+    if texts is None:
+        log.warning("teacher %r at %s returns no token text: its tokenizer cannot be checked; it must be the "
+                    "student's", teacher_name, where)
+        return
+    problem = remote_tokenizer_mismatch(student, ids, texts)
+    if problem is not None:
+        raise ValueError(f"teacher {teacher_name!r} at {where} does not share the student's tokenizer: {problem}; "
+                         "distillation scores the student's tokens with the teacher id for id")
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """What scores the student's samples (see the module docstring)."""
+
+    name: str
+
+    def score(self, batch: Batch, micro_batch_size: int) -> Tensor:
+        """Log-probs [B, T] of ``batch``'s target tokens under the teacher at temperature 1, target-aligned
+        like ``Batch.loss_mask``; meaningful on loss-mask columns (0 or any value elsewhere)."""
+        ...
+
+    def close(self) -> None:
+        """Release the teacher's resources (a server connection, vLLM's temporary folders)."""
+        ...
+
+
+class LocalTeacher:
+    """A frozen model in this process (``teacher.engine: hf``), scored exactly as the student is
+    (``batch_logprobs``); ``module`` gives ``loss: jsd`` its full logits."""
+
+    def __init__(self, module: torch.nn.Module, name: str = "teacher"):
+        self.module = module
+        self.name = name
+
+    def score(self, batch: Batch, micro_batch_size: int) -> Tensor:
+        return batch_logprobs(self.module, batch, micro_batch_size, temperature=1.0)  # [B, T]
+
+    def close(self) -> None:
+        pass
+
+
+def teacher_sequences(batch: Batch) -> list[list[int]]:
+    """Each row's un-padded tokens up to its last trained target (target column ``t`` is token
+    ``t + 1``): all a teacher has to score. A row with no trained token gives ``[]``."""
+    trained = batch.loss_mask.bool()  # [B, T]
+    rows: list[list[int]] = []
+    for b in range(batch.size):
+        columns = trained[b].nonzero()
+        rows.append(batch.input_ids[b, : int(columns[-1]) + 2].tolist() if columns.numel() else [])
+    return rows
+
+
+def engine_teacher_logprobs(engine: Any, batch: Batch) -> Tensor:
+    """``engine.prompt_logprobs`` of ``teacher_sequences(batch)`` scattered into [B, T] float32 on
+    the batch's device: row ``b``'s value ``i`` (token ``i + 1`` given the tokens before it) lands in
+    column ``i``, as ``token_logprobs`` aligns the student's; columns past a row's last trained
+    token hold 0."""
+    sequences = teacher_sequences(batch)
+    wanted = [b for b, seq in enumerate(sequences) if len(seq) >= 2]
+    values = engine.prompt_logprobs([sequences[b] for b in wanted]) if wanted else []
+    if len(values) != len(wanted):
+        raise RuntimeError(f"the teacher engine scored {len(values)} of {len(wanted)} sequences")
+    out = torch.zeros(tuple(batch.loss_mask.shape), dtype=torch.float32)  # [B, T]
+    for b, row in zip(wanted, values):
+        if len(row) != len(sequences[b]) - 1:
+            raise RuntimeError(f"the teacher engine returned {len(row)} log-probs for a sequence of "
+                               f"{len(sequences[b])} tokens (expected {len(sequences[b]) - 1})")
+        out[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out.to(batch.loss_mask.device)
+
+
+class EngineTeacher:
+    """A teacher served by an engine that scores given sequences (``teacher.engine: vllm | openai``):
+    ``prompt_logprobs`` of each row's un-padded tokens (``engine_teacher_logprobs``)."""
+
+    def __init__(self, engine: Any, name: str = "teacher"):
+        from tracegym.engines.base import scores_prompts
+
+        if not scores_prompts(engine):
+            raise ValueError(f"engine {getattr(engine, 'name', type(engine).__name__)!r} cannot score given sequences "
+                             "(no prompt_logprobs), so it cannot be a distillation teacher")
+        self.engine = engine
+        self.name = name
+
+    def score(self, batch: Batch, micro_batch_size: int) -> Tensor:
+        return engine_teacher_logprobs(self.engine, batch)  # [B, T]
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def make_teacher(cfg: TeacherConfig, dtype: str, device: torch.device, student_tokenizer: Any) -> Teacher:
+    """The teacher ``cfg`` describes, with its tokenizer checked against the student's; one-line
+    ``ValueError``s for what is wrong (a tokenizer, an unknown engine option, a server that does not
+    answer). ``dtype`` and ``device``: the hf teacher's (vLLM picks its own; ``engine_options``)."""
+    if cfg.engine == "hf":
+        module, tokenizer = load_teacher(cfg, dtype, device)
+        check_same_tokenizer(student_tokenizer, tokenizer, cfg.model)
+        return LocalTeacher(module, cfg.model)
+
+    from tracegym.engines import make_engine
+
+    if cfg.engine == "vllm":
+        if (Path(cfg.model) / "adapter_config.json").is_file():
+            raise ValueError(f"teacher.model {cfg.model!r} is a LoRA adapter folder, which vLLM does not load as a "
+                             "model: merge it first (tracegym export --merge) and give the merged folder")
+        engine: Any = make_engine("vllm", model=cfg.model, **cfg.engine_options)
+        check = lambda: check_same_tokenizer(student_tokenizer, engine.tokenizer, cfg.model)  # noqa: E731
+    else:
+        options = dict(cfg.engine_options)
+        if cfg.api_key_env is not None:
+            options["api_key_env"] = cfg.api_key_env
+        engine = make_engine("openai", model=cfg.model, tokenizer=student_tokenizer, base_url=cfg.base_url, **options)
+        check = lambda: check_remote_tokenizer(engine, student_tokenizer, cfg.model)  # noqa: E731
+    try:
+        check()
+    except BaseException:
+        engine.close()
+        raise
+    return EngineTeacher(engine, cfg.model)
+
+
 # --- advantages ------------------------------------------------------------------------------------
 
 
@@ -155,20 +333,22 @@ def distill_advantages(
 
 
 def score_with_teacher(
-    model: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, loss_cfg: PolicyLossConfig, *,
+    model: torch.nn.Module, teacher: Teacher | torch.nn.Module, batch: Batch, loss_cfg: PolicyLossConfig, *,
     micro_batch_size: int, temperature: float, student_logprobs: str = "trainer", advantage_clip: float | None = None,
     top_p: float = 1.0,
 ) -> tuple[Batch, dict[str, float]]:
     """``batch`` with the distillation advantages and what the loss needs, and the ``distill/`` metrics.
 
-    ``score_batch`` adds the trainer's old log-probs when the loss needs them (TIS); the teacher
-    scores the sampled tokens at temperature 1; the student log-prob in ``A_t`` is the trainer's
+    ``score_batch`` adds the trainer's old log-probs when the loss needs them (TIS); the teacher (a
+    ``Teacher``, or a frozen model taken as a ``LocalTeacher``) scores the sampled tokens at
+    temperature 1; the student log-prob in ``A_t`` is the trainer's
     (``student_logprobs="trainer"``, recomputed here if ``score_batch`` did not) or the engine's
     (``"sampler"``; rows without engine log-probs fall back to the trainer's).
     """
     batch = score_batch(model, None, batch, loss_cfg, micro_batch_size=micro_batch_size, temperature=temperature,
                         epochs=1, top_p=top_p)
-    teacher_logprobs = batch_logprobs(teacher, batch, micro_batch_size, temperature=1.0)  # [B, T]
+    scorer = LocalTeacher(teacher) if isinstance(teacher, torch.nn.Module) else teacher
+    teacher_logprobs = scorer.score(batch, micro_batch_size)  # [B, T]
     trainer_missing = student_logprobs == "trainer" or not bool(batch.has_engine_logprobs.all())
     if trainer_missing and batch.old_logprobs is None:
         # the old policy is the current one (a single pass): the same numbers TIS would compare
@@ -356,8 +536,7 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, _ = load_policy(cfg, loss_cfg, device)  # type: ignore[arg-type]  (same section names)
-    teacher, teacher_tokenizer = load_teacher(cfg.teacher, cfg.model.dtype, device)
-    check_same_tokenizer(tokenizer, teacher_tokenizer, cfg.teacher.model)
+    teacher = make_teacher(cfg.teacher, cfg.model.dtype, device, tokenizer)  # tokenizer checked
     renderer = make_renderer(cfg, tokenizer)  # type: ignore[arg-type]
     sampler = make_sampler(cfg, model, tokenizer, renderer)  # type: ignore[arg-type]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -407,7 +586,8 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
                     student_logprobs=cfg.student_logprobs, advantage_clip=cfg.advantage_clip, top_p=cfg.rollout.top_p)
                 metrics.update(distill_metrics)
                 if cfg.loss == "jsd":  # the sampled-token scoring above then only feeds the distill/ metrics
-                    metrics.update(jsd_update(model, teacher, batch, cfg.jsd_beta, optimizer, scheduler,
+                    assert isinstance(teacher, LocalTeacher)  # the config refuses jsd with another engine
+                    metrics.update(jsd_update(model, teacher.module, batch, cfg.jsd_beta, optimizer, scheduler,
                                               micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
                                               train_mode=cfg.model.gradient_checkpointing))
                 else:
@@ -441,10 +621,13 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
     finally:
         progress.close()
         logger.close()
+        teacher.close()
     return DistillResult(run_dir, final_dir, step, history)
 
 
 __all__ = [
-    "DistillResult", "check_same_tokenizer", "distill_advantages", "generalized_jsd", "jsd_update", "load_teacher",
-    "policy_loss_config", "score_with_teacher", "token_generalized_jsd", "tokenizer_mismatch", "train_distill",
+    "DistillResult", "EngineTeacher", "LocalTeacher", "Teacher", "check_remote_tokenizer", "check_same_tokenizer",
+    "distill_advantages", "engine_teacher_logprobs", "generalized_jsd", "jsd_update", "load_teacher", "make_teacher",
+    "policy_loss_config", "remote_tokenizer_mismatch", "score_with_teacher", "teacher_sequences",
+    "token_generalized_jsd", "tokenizer_mismatch", "train_distill",
 ]
