@@ -207,7 +207,7 @@ def main() -> None:
             stage(f"eval_{key}", CLI + [
                 "eval", "--env", "calculator", "--env-option", "num_calls=2", "--adapter", str(adapter),
                 "--tasks", str(args.test_tasks), "--samples", str(EVAL_SAMPLES), "--k", ",".join(map(str, KS)),
-                "--temperature", str(EVAL_T), "--max-turns", str(MAX_TURNS), "--max-tokens-per-turn", str(MAX_TOKENS),
+                "--temperature", str(EVAL_T), "--turns", str(MAX_TURNS), "--max-tokens-per-turn", str(MAX_TOKENS),
                 "--concurrency", "32", "--seed", "1234", "--no-progress", "--out", str(eval_dir)])
         data = json.loads((eval_dir / "eval.json").read_text())
         turns = str(max(int(t) for t in data["pass_at"]))

@@ -38,11 +38,26 @@ whole previous turn. Three exact savings:
    computed with older weights are never reused. The rollout runner clears it at the start and the
    end of every run, so a run's results never depend on what ran before it.
 
-All three change only float rounding (the same tokens are computed in other batch shapes): in fp32
+Shared-prefix KV (``share_prefix_kv=True``, the default): step 2's ``batch_repeat_interleave`` and
+the per-row copies of step 3 would hold the common prefix once per row (64 rows x 600 tokens x 46
+KB on SmolLM2: 1.8 GB, mostly copies). Instead the chunk's common prefix (capped as in step 2; for
+one prompt repeated n times, all but its last token) is a ``SharedPrefix`` held once, batch 1,
+outside the ``DynamicCache``; the cache, its 2D mask and its length cover each row's own tokens
+only, position ids continue from ``P``, and the forward passes go through the attention function
+of ``tracegym.engines.shared_prefix``, which attends to ``[prefix ; own keys]`` in one softmax
+(the model is switched to it only during those passes). Kept turns reference their chunk's prefix
+(counted once in ``turn_cache_mb``); when a later chunk's common prefix is covered by a kept
+prefix, the chunk attends to that same memory, else it is built once from the best kept turn and
+a batch-1 pass for what is missing, and each row's cache gets only its kept tokens after it. This
+runs for sdpa models whose attention goes through transformers' ``AttentionInterface``, with one
+adapter per chunk and at least two rows; mixed-adapter chunks, single rows and other models keep
+the layouts of steps 2 and 3.
+
+All of these change only float rounding (the same tokens are computed in other batch shapes): in fp32
 the log-probs match the plain path within 1e-4 (tested on tiny-random; 2e-5 worst case measured on
-SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Steps 2 and 3 run only when
-every cache layer is a plain full-attention ``DynamicLayer``; sliding-window or recurrent layers
-would see the holes differently.
+SmolLM2-135M, 32 calculator prompts, with identical sampled tokens). Steps 2 and 3 and the shared
+prefix run only when every cache layer is a plain full-attention ``DynamicLayer``; sliding-window
+or recurrent layers would see the holes differently.
 ``prefill_tokens`` and ``prefix_tokens_reused`` count prompt tokens computed and skipped
 (``turn_tokens_reused`` the part of the latter that came from the turn cache).
 
@@ -70,6 +85,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tracegym.engines.base import BASE_ADAPTER, Engine, EngineCapabilities
+from tracegym.engines.shared_prefix import SharedPrefix, prefix_attention, supports_shared_prefix
 from tracegym.types import FinishReason, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -116,15 +132,45 @@ _RELEASED = torch.empty(0)  # stands in for a layer's keys/values once copied ou
 
 @dataclass
 class _TurnKV:
-    """One finished row's keys and values (per layer ``[H, n, D]``) for the ``n`` tokens of ``tokens``."""
+    """One finished row's keys and values for the ``n`` tokens of ``tokens``: the first ``P`` from
+    ``prefix`` (its chunk's shared prefix, referenced, not copied; None: ``P = 0``), the other
+    ``n - P`` per layer ``[H, n - P, D]`` in ``keys`` / ``values``."""
 
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    prefix: SharedPrefix | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix is None else len(self.prefix)
 
     @property
     def nbytes(self) -> int:
+        """The row's own bytes; the store counts a shared prefix once, however many entries hold it."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def head(self, n: int) -> _TurnKV:
+        """The first ``n`` positions (views: the entry stays whole)."""
+        if n <= self.prefix_len:
+            assert self.prefix is not None
+            return _TurnKV(self.tokens[:n], [k[:, :0] for k in self.keys], [v[:, :0] for v in self.values],
+                           self.prefix.truncated(n))
+        own = n - self.prefix_len
+        return _TurnKV(self.tokens[:n], [k[:, :own] for k in self.keys], [v[:, :own] for v in self.values], self.prefix)
+
+    def copy_into(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Write ``layer``'s positions ``start .. start + m`` into ``keys`` / ``values`` (each ``[H, m, D]``)."""
+        stop = start + keys.shape[1]
+        split = min(max(self.prefix_len - start, 0), stop - start)  # how many of them the prefix holds
+        if split:
+            assert self.prefix is not None
+            keys[:, :split] = self.prefix.keys[layer][:, start : start + split]
+            values[:, :split] = self.prefix.values[layer][:, start : start + split]
+        if split < stop - start:
+            own_start, own_stop = max(start - self.prefix_len, 0), stop - self.prefix_len
+            keys[:, split:] = self.keys[layer][:, own_start:own_stop]
+            values[:, split:] = self.values[layer][:, own_start:own_stop]
 
 
 class HFEngine(Engine):
@@ -142,6 +188,9 @@ class HFEngine(Engine):
             an episode's previous turn (see the module docstring); ``False`` prefills every row's
             whole prompt.
         min_shared_prefix: shortest common prefix (tokens) worth a separate forward pass.
+        share_prefix_kv: keep a chunk's shared prefix keys/values once, attended to by every row,
+            instead of a copy per row (see the module docstring); ``False`` copies it, as before
+            (a benchmark compares the two).
         turn_cache_mb: memory bound of the previous-turn store (0: off). SmolLM2-135M holds about
             46 KB per token (30 layers x 2 x 3 KV heads x 64 x 4 bytes), so 1024 MB keeps about 22k
             tokens: 45 episodes of 500 tokens waiting for their env.
@@ -167,6 +216,7 @@ class HFEngine(Engine):
         pad_token_id: int = 0,
         prefix_cache: bool = True,
         min_shared_prefix: int = 16,
+        share_prefix_kv: bool = True,
         turn_cache_mb: float = 1024.0,
         prompt_batch_tokens: int = 4096,
     ):
@@ -183,13 +233,15 @@ class HFEngine(Engine):
         self.pad_token_id = pad_token_id
         self.prefix_cache = prefix_cache
         self.min_shared_prefix = min_shared_prefix
+        self.share_prefix_kv = share_prefix_kv
         self.prompt_batch_tokens = prompt_batch_tokens
         if turn_cache_mb < 0:
             raise ValueError("turn_cache_mb must be >= 0")
         self.turn_cache_bytes = int(turn_cache_mb * 2**20) if prefix_cache else 0
         # LRU (oldest first) keyed by (adapter name or None, tokens): keys/values depend on the adapter
         self._turns: OrderedDict[tuple[str | None, tuple[int, ...]], _TurnKV] = OrderedDict()
-        self._turn_bytes = 0
+        self._turn_bytes = 0  # entries' own bytes + each shared prefix's bytes once
+        self._prefix_users: dict[int, list[int]] = {}  # SharedPrefix.storage_id -> [entries holding it, bytes]
         # counters over the engine's life (benchmarks and tests read them):
         self.forward_calls = 0  # model forward passes
         self.prefill_tokens = 0  # prompt tokens run through the model (padding excluded)
@@ -199,7 +251,8 @@ class HFEngine(Engine):
     def __repr__(self) -> str:
         return (
             f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
-            f"prefix_cache={self.prefix_cache}, turn_cache_mb={self.turn_cache_bytes / 2**20:g})"
+            f"prefix_cache={self.prefix_cache}, share_prefix_kv={self.share_prefix_kv}, "
+            f"turn_cache_mb={self.turn_cache_bytes / 2**20:g})"
         )
 
     @property
@@ -303,13 +356,20 @@ class HFEngine(Engine):
             chunks.append([i])
         return chunks
 
-    def _forward(self, names: list[str] | None = None, **kw: Any) -> torch.Tensor:
+    def _forward(
+        self, names: list[str] | None = None, prefix: SharedPrefix | None = None, **kw: Any
+    ) -> torch.Tensor:
         """Last-position logits [B, V]; ``names``: the adapter of each of the B rows (None: the
-        model's active adapter for every row)."""
+        model's active adapter for every row); ``prefix``: keys/values every row attends to before
+        its cached ones (the cache, mask and positions then describe what follows it)."""
         self.forward_calls += 1
         if names is not None:
             kw["adapter_names"] = list(names)
-        out = self.model(use_cache=True, logits_to_keep=1, **kw)
+        if prefix is None:
+            out = self.model(use_cache=True, logits_to_keep=1, **kw)
+        else:
+            with prefix_attention(self.model):
+                out = self.model(use_cache=True, logits_to_keep=1, shared_prefix_kv=prefix, **kw)
         return out.logits[:, -1, :]  # [B, V]
 
     def _generate_chunk(
@@ -328,7 +388,7 @@ class HFEngine(Engine):
             return [self._make_generation(t, lp, "length") for t, lp in zip(tokens, logps)]
 
         cache = DynamicCache(config=getattr(self.model, "config", None))
-        logits, attention_mask, next_pos = self._prefill(prompts, cache, names)
+        logits, attention_mask, next_pos, prefix = self._prefill(prompts, cache, names)
         alive = list(range(n_rows))  # row index of each batch position still decoding
         greedy = params.temperature <= 0.0
         while True:
@@ -353,7 +413,7 @@ class HFEngine(Engine):
                 kept = set(keep)
                 done = [b for b in range(len(alive)) if b not in kept]
                 self._remember(cache, attention_mask, [(b, prompts[alive[b]] + tokens[alive[b]][:-1]) for b in done],
-                               None if names is None else [names[alive[b]] for b in done])
+                               None if names is None else [names[alive[b]] for b in done], prefix)
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -371,22 +431,24 @@ class HFEngine(Engine):
                 attention_mask=attention_mask,
                 position_ids=next_pos,
                 cache=cache,
+                prefix=prefix,
             )
             next_pos = next_pos + 1
         return [self._make_generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish)]
 
     def _prefill(
         self, prompts: list[list[int]], cache: Any, names: list[str] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SharedPrefix | None]:
         """Run the chunk's prompts into ``cache`` (``names``: each row's adapter, or None).
 
-        Returns the last-position logits [B, V], the attention mask over the cache [B, K] and the
-        position of each row's next token [B, 1].
+        Returns the last-position logits [B, V], the attention mask over the cache [B, K], the
+        position of each row's next token [B, 1], and the shared prefix every row attends to before
+        its cache (None: the cache holds whole rows).
         """
         n_rows = len(prompts)
         if not self.prefix_cache:
             self.prefill_tokens += sum(len(p) for p in prompts)
-            return self._prefill_rows(prompts, cache, prefix_len=0, names=names)
+            return (*self._prefill_rows(prompts, cache, prefix_len=0, names=names), None)
         # distinct (adapter, prompt) pairs, in first-seen order; row_source[r] = index of row r's
         # among them (keys and values depend on the adapter, so equal prompts of two adapters differ)
         first_seen: dict[tuple[str | None, tuple[int, ...]], int] = {}
@@ -395,7 +457,14 @@ class HFEngine(Engine):
         distinct = [list(p) for _, p in first_seen]
         distinct_names = None if names is None else [name for name, _ in first_seen]
         hits = self._take_turns(distinct, cache, distinct_names)
-        if any(hit is not None for hit in hits):
+        share_len = 0
+        if self.share_prefix_kv and supports_shared_prefix(self.model):
+            share_len = self._shared_prefix_len(distinct, cache, distinct_names, repeated=len(distinct) < n_rows)
+        prefix = None
+        if share_len:
+            logits, attention_mask, next_pos, prefix, computed = self._prefill_shared(
+                distinct, hits, share_len, cache, distinct_names)
+        elif any(hit is not None for hit in hits):
             reused = sum(len(hit.tokens) for hit in hits if hit is not None)
             computed = sum(len(p) for p in distinct) - reused
             self.turn_tokens_reused += reused
@@ -411,13 +480,41 @@ class HFEngine(Engine):
             source = torch.tensor(row_source, dtype=torch.long, device=logits.device)
             cache.batch_select_indices(source)
             logits, attention_mask, next_pos = logits[source], attention_mask[source], next_pos[source]
-        return logits, attention_mask, next_pos
+        return logits, attention_mask, next_pos, prefix
 
     # -- previous-turn store -------------------------------------------------------------------
     def clear_cache(self) -> None:
         """Forget every kept turn (after the weights change, or to free the memory)."""
         self._turns.clear()
+        self._prefix_users.clear()
         self._turn_bytes = 0
+
+    def _store_put(self, key: tuple[str | None, tuple[int, ...]], entry: _TurnKV) -> None:
+        """Keep ``entry`` (replacing an older one of the same key), then drop the least recently
+        used entries until the store fits its bound."""
+        old = self._turns.pop(key, None)
+        if old is not None:
+            self._store_forget(old)
+        self._turns[key] = entry
+        self._turn_bytes += entry.nbytes
+        if entry.prefix is not None:
+            users = self._prefix_users.setdefault(entry.prefix.storage_id, [0, entry.prefix.storage_nbytes])
+            if users[0] == 0:
+                self._turn_bytes += users[1]
+            users[0] += 1
+        while self._turn_bytes > self.turn_cache_bytes:
+            _, evicted = self._turns.popitem(last=False)
+            self._store_forget(evicted)
+
+    def _store_forget(self, entry: _TurnKV) -> None:
+        """Take a removed entry's bytes off the count, and its prefix's with the prefix's last holder."""
+        self._turn_bytes -= entry.nbytes
+        if entry.prefix is not None:
+            users = self._prefix_users[entry.prefix.storage_id]
+            users[0] -= 1
+            if users[0] == 0:
+                self._turn_bytes -= users[1]
+                del self._prefix_users[entry.prefix.storage_id]
 
     @staticmethod
     def _plain_layers(cache: Any) -> bool:
@@ -427,31 +524,27 @@ class HFEngine(Engine):
         return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ()))
 
     def _remember(self, cache: Any, attention_mask: torch.Tensor, rows: list[tuple[int, list[int]]],
-                  names: list[str] | None = None) -> None:
+                  names: list[str] | None = None, prefix: SharedPrefix | None = None) -> None:
         """Keep the real positions of finished batch rows ``b``, keyed by their adapter (``names``,
-        aligned with ``rows``) and the tokens they hold."""
+        aligned with ``rows``) and the tokens they hold (``prefix``: their first tokens, which the
+        entries reference instead of copying)."""
         if not rows or not self._plain_layers(cache):
             return
+        prefix_len = 0 if prefix is None else len(prefix)
         for i, (b, tokens) in enumerate(rows):
-            where = attention_mask[b].nonzero().flatten()  # [n] real positions of row b
-            if where.numel() != len(tokens) or len(tokens) == 0:
+            where = attention_mask[b].nonzero().flatten()  # [n - P] real positions of row b in the cache
+            if where.numel() != len(tokens) - prefix_len or len(tokens) == 0:
                 continue  # a stored row must match its key token for token
             entry = _TurnKV(
                 tuple(int(t) for t in tokens),
-                [layer.keys[b].index_select(1, where) for layer in cache.layers],  # [H, n, D] each
+                [layer.keys[b].index_select(1, where) for layer in cache.layers],  # [H, n - P, D] each
                 [layer.values[b].index_select(1, where) for layer in cache.layers],
+                prefix,
             )
-            if entry.nbytes > self.turn_cache_bytes:
+            new_prefix_bytes = 0 if prefix is None or prefix.storage_id in self._prefix_users else prefix.storage_nbytes
+            if entry.nbytes + new_prefix_bytes > self.turn_cache_bytes:
                 continue
-            key = (None if names is None else names[i], entry.tokens)
-            old = self._turns.pop(key, None)
-            if old is not None:
-                self._turn_bytes -= old.nbytes
-            self._turns[key] = entry
-            self._turn_bytes += entry.nbytes
-            while self._turn_bytes > self.turn_cache_bytes:
-                _, evicted = self._turns.popitem(last=False)
-                self._turn_bytes -= evicted.nbytes
+            self._store_put((None if names is None else names[i], entry.tokens), entry)
 
     @staticmethod
     def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -496,47 +589,111 @@ class HFEngine(Engine):
             if best_len == len(best):
                 superseded.add(best_key)
                 hits.append(entry)
-            else:  # the first best_len positions only (copies; the entry stays whole)
-                hits.append(_TurnKV(best[:best_len], [k[:, :best_len] for k in entry.keys],
-                                    [v[:, :best_len] for v in entry.values]))
-        for tokens in superseded:
-            self._turn_bytes -= self._turns.pop(tokens).nbytes
+            else:  # the first best_len positions only (views; the entry stays whole)
+                hits.append(entry.head(best_len))
+        for entry_key in superseded:
+            self._store_forget(self._turns.pop(entry_key))
         return hits
 
     def _prefill_after_turns(
         self, prompts: list[list[int]], hits: list[_TurnKV | None], cache: Any, names: list[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load each row's kept turn into ``cache`` right-aligned, then prefill the new tokens."""
-        device = self.device
-        n_rows = len(prompts)
-        cached = [len(hit.tokens) if hit is not None else 0 for hit in hits]
-        width = max(cached)
-        ref = next(hit for hit in hits if hit is not None)
-        for layer_index in range(len(ref.keys)):
-            keys = ref.keys[layer_index].new_zeros((n_rows, *ref.keys[layer_index].shape[:1], width,
-                                                    ref.keys[layer_index].shape[-1]))  # [B, H, C, D]
+        cached = self._load_turns(hits, 0, cache)
+        return self._prefill_suffixes([p[c:] for p, c in zip(prompts, cached)], self._right_aligned_mask(cached),
+                                      cached, cache, names)
+
+    def _prefill_shared(
+        self, prompts: list[list[int]], hits: list[_TurnKV | None], share_len: int, cache: Any,
+        names: list[str] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SharedPrefix, int]:
+        """Prefill the distinct ``prompts`` keeping their common first ``share_len`` tokens once, as a
+        ``SharedPrefix`` outside ``cache``; the rest of each row's kept turn (if any) goes into
+        ``cache`` right-aligned, then the new tokens run. Returns ``_prefill_suffixes``'s three, the
+        prefix, and how many prompt tokens were computed."""
+        prefix, from_store = self._build_prefix(prompts[0][:share_len], hits, names)
+        own = self._load_turns(hits, share_len, cache)  # each row's kept tokens after the prefix
+        suffixes = [p[share_len + o :] for p, o in zip(prompts, own)]
+        logits, attention_mask, next_pos = self._prefill_suffixes(
+            suffixes, self._right_aligned_mask(own), [share_len + o for o in own], cache, names, prefix)
+        self.turn_tokens_reused += len(prompts) * from_store + sum(own)
+        return logits, attention_mask, next_pos, prefix, share_len - from_store + sum(len(s) for s in suffixes)
+
+    def _build_prefix(
+        self, tokens: list[int], hits: list[_TurnKV | None], names: list[str] | None = None
+    ) -> tuple[SharedPrefix, int]:
+        """Keys and values of ``tokens`` (every row's first tokens) once, batch 1, and how many of
+        them came from the turn store. A kept turn whose shared prefix covers them gives a view of
+        it (the new batch and the old entries then hold one copy); otherwise the hit covering most
+        of them gives that part and a batch-1 pass computes the rest."""
+        from transformers import DynamicCache
+
+        n = len(tokens)
+        covering = next((hit for hit in hits if hit is not None and hit.prefix_len >= n), None)
+        if covering is not None:
+            assert covering.prefix is not None
+            return covering.prefix.truncated(n), n
+        best = max((hit for hit in hits if hit is not None), key=lambda hit: len(hit.tokens), default=None)
+        have = 0 if best is None else min(len(best.tokens), n)
+        part = DynamicCache(config=getattr(self.model, "config", None))
+        if best is not None and have:
+            for layer in range(len(best.keys)):
+                own = best.keys[layer]
+                keys = own.new_empty((1, own.shape[0], have, own.shape[-1]))  # [1, H, have, D]
+                values = torch.empty_like(keys)
+                best.copy_into(layer, keys[0], values[0], 0)
+                part.update(keys.to(self.device), values.to(self.device), layer)
+        if have < n:
+            device = self.device
+            self._forward(
+                None if names is None else names[:1],
+                input_ids=torch.tensor([tokens[have:]], dtype=torch.long, device=device),  # [1, n - have]
+                attention_mask=torch.ones((1, n), dtype=torch.long, device=device),
+                position_ids=torch.arange(have, n, device=device)[None],
+                cache=part,
+            )  # the logits are not needed: every row has a token of its own after the prefix
+        return SharedPrefix(tuple(tokens), tuple(layer.keys[0] for layer in part.layers),
+                            tuple(layer.values[0] for layer in part.layers)), have
+
+    def _load_turns(self, hits: list[_TurnKV | None], start: int, cache: Any) -> list[int]:
+        """Copy each row's kept positions from ``start`` on into ``cache``, right-aligned (per layer
+        ``[B, H, C, D]``, zeros before a shorter row's part); returns how many each row got."""
+        counts = [0 if hit is None else max(len(hit.tokens) - start, 0) for hit in hits]
+        width = max(counts)
+        if width == 0:
+            return counts
+        ref = next(hit for hit, c in zip(hits, counts) if c and hit is not None)
+        for layer in range(len(ref.keys)):
+            heads, dim = ref.keys[layer].shape[0], ref.keys[layer].shape[-1]
+            keys = ref.keys[layer].new_zeros((len(hits), heads, width, dim))  # [B, H, C, D]
             values = torch.zeros_like(keys)
-            for row, hit in enumerate(hits):
-                if hit is not None:
-                    keys[row, :, width - cached[row]:] = hit.keys[layer_index]
-                    values[row, :, width - cached[row]:] = hit.values[layer_index]
+            for row, (hit, c) in enumerate(zip(hits, counts)):
+                if hit is not None and c:
+                    hit.copy_into(layer, keys[row, :, width - c :], values[row, :, width - c :], start)
             # drop this layer's references once every row has it (two rows may share an entry): a
             # whole entry, already out of the store, is freed layer by layer, so the store and the
             # batch cache never both hold all of it (a part's tensors stay alive in the store)
             for hit in hits:
                 if hit is not None:
-                    hit.keys[layer_index] = hit.values[layer_index] = _RELEASED
-            cache.update(keys.to(device), values.to(device), layer_index)
-        cached_mask = torch.zeros((n_rows, width), dtype=torch.long)  # [pad | cached c_i] per row
-        for i, c in enumerate(cached):
-            cached_mask[i, width - c:] = 1
-        return self._prefill_suffixes([p[c:] for p, c in zip(prompts, cached)], cached_mask.to(device), cached, cache,
-                                      names)
+                    hit.keys[layer] = hit.values[layer] = _RELEASED
+            cache.update(keys.to(self.device), values.to(self.device), layer)
+        return counts
 
-    def _shared_prefix_len(self, prompts: list[list[int]], cache: Any, names: list[str] | None = None) -> int:
+    def _right_aligned_mask(self, counts: list[int]) -> torch.Tensor:
+        """[B, C] mask of right-aligned cached parts: ``[0]*(C - c_i) + [1]*c_i`` per row."""
+        width = max(counts)
+        mask = torch.zeros((len(counts), width), dtype=torch.long)
+        for i, c in enumerate(counts):
+            mask[i, width - c :] = 1
+        return mask.to(self.device)
+
+    def _shared_prefix_len(self, prompts: list[list[int]], cache: Any, names: list[str] | None = None,
+                           repeated: bool = False) -> int:
         """Tokens of the common prefix worth computing once (0 when not worth it or not safe, or when
-        the rows use different adapters: their keys and values differ)."""
-        if len(prompts) < 2 or not self._plain_layers(cache) or (names is not None and len(set(names)) > 1):
+        the rows use different adapters: their keys and values differ). ``repeated``: the prompts
+        fill more rows than there are prompts, so even a single one has a prefix worth sharing."""
+        if (len(prompts) < 2 and not repeated) or not self._plain_layers(cache) or (
+                names is not None and len(set(names)) > 1):
             return 0
         first, shortest = prompts[0], min(len(p) for p in prompts)
         common = 0
@@ -568,12 +725,13 @@ class HFEngine(Engine):
 
     def _prefill_suffixes(
         self, suffixes: list[list[int]], cached_mask: torch.Tensor, cached_len: list[int], cache: Any,
-        names: list[str] | None = None,
+        names: list[str] | None = None, prefix: SharedPrefix | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run each row's new tokens (left-padded) after what ``cache`` already holds for it.
+        """Run each row's new tokens (left-padded) after ``prefix`` (if any) and what ``cache``
+        already holds for it.
 
         ``cached_mask`` [B, C] marks the cache positions that are real for each row, ``cached_len[b]``
-        how many there are (the position of row b's first new token). Returns the last-position
+        the position of row b's first new token (the prefix's and its cached tokens). Returns the last-position
         logits [B, V], the mask over the whole cache [B, C + S] (``cached | [0]*pad + [1]*new``) and
         each row's next position [B, 1]."""
         device = self.device
@@ -590,7 +748,7 @@ class HFEngine(Engine):
         position_ids = start + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
         attention_mask = torch.cat([cached_mask, suffix_mask], dim=-1)  # [B, C + S]
         logits = self._forward(
-            names, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
+            names, prefix, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
         )
         return logits, attention_mask, position_ids[:, -1:] + 1
 
