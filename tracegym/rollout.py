@@ -63,6 +63,7 @@ from tracegym.envs.episode import (
     TokenData,
     play_episode,
 )
+from tracegym.memory import release_memory
 from tracegym.types import FinishReason, Generation, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -465,6 +466,7 @@ async def _batching(runner: _Runner, policy: Any, config: RolloutConfig) -> Asyn
             pass
         if callable(clear):
             clear()  # free the memory as the run ends
+        release_memory()  # and hand the freed keys/values back to the system (tracegym/memory.py)
 
 
 async def run_rollouts(

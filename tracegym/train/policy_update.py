@@ -25,6 +25,7 @@ import torch
 
 from tracegym.algos.compose import compute_policy_loss
 from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_tokens, split_microbatches
+from tracegym.memory import release_memory
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
 from tracegym.train.optim import clip_gradients
 
@@ -153,6 +154,7 @@ def policy_update(
             scheduler.step()
     finally:
         model.eval()
+        release_memory()  # the activations just freed go back to the system, not kept for the rollouts
     out: dict[str, float] = {}
     for key in per_epoch[0] if per_epoch else []:
         values = [m[key] for m in per_epoch if key in m]
