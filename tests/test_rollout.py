@@ -511,6 +511,11 @@ def test_hf_engine_rollout_logprob_gap_is_near_zero_and_seeded():
     assert [t.turns for t in other.trajectories] != [t.turns for t in res.trajectories]
     # the gap function itself detects a mismatch: score at another temperature
     assert logprob_gap(engine.model, res.trajectories, temperature=0.5, top_p=0.95).mean > 1e-3
+    # a bounded check re-scores evenly spaced turns, the first and the last among them
+    turns = [t for traj in res.trajectories for t in traj.turns]
+    assert len(turns) > 2
+    sampled = logprob_gap(engine.model, res.trajectories, temperature=0.9, top_p=0.95, max_turns=2)
+    assert sampled.tokens == len(turns[0].completion_ids) + len(turns[-1].completion_ids) and sampled.max < 1e-4
 
 
 # --- the real calculator env and renderer ------------------------------------------------------------
