@@ -7,9 +7,11 @@ budget for both:
 
 - naive: one ``model.generate`` call per episode per turn, episodes one after another;
 - runner: ``tracegym.rollout.run_rollouts`` with the hf engine (all waiting episodes in one batch,
-  KV cache, finished rows leave the batch), run twice: each turn's prompt prefilled whole
-  (``turn_cache_mb=0``, the engine before the turn store) and with the engine keeping each finished
-  row's keys/values so an episode's next turn prefills only its new tokens (the default).
+  KV cache, finished rows leave the batch), run three times: each turn's prompt prefilled whole
+  (``turn_cache_mb=0``, the engine before the turn store); with the turn store but the shared
+  prompt prefix's keys/values copied into every row and a cache grown by ``torch.cat`` each step
+  (``share_prefix_kv=False, preallocate_kv=False``); and the default engine (prefix held once,
+  preallocated cache, turn store).
 
 The ceiling: tokens/s of one batched decode step (batch = the runner's batch size, context = the
 mean prompt length seen), measured on this machine. The table prints the ratio runner/naive, the
@@ -63,9 +65,9 @@ def main() -> int:
     rss_after_load = peak_rss_mb()
 
     # -- the runner, without and with the engine's previous-turn KV store ----------------------------
-    def run_runner(turn_cache_mb: float) -> dict:
+    def run_runner(turn_cache_mb: float, **engine_options) -> dict:
         engine = make_engine("hf", model=model, tokenizer=tokenizer, renderer=renderer, max_batch_size=args.tasks,
-                             turn_cache_mb=turn_cache_mb)
+                             turn_cache_mb=turn_cache_mb, **engine_options)
         timing = {"generate": 0.0, "prefill": 0.0, "prompts": []}
         real_generate, real_forward = engine.generate, engine._forward
 
@@ -97,11 +99,12 @@ def main() -> int:
 
     before = run_runner(0.0)
     rss_after_before = peak_rss_mb()
+    copied = run_runner(1024.0, share_prefix_kv=False, preallocate_kv=False)  # the engine of 2026-12-01
     after = run_runner(1024.0)
     rss_after_runner = peak_rss_mb()
     result, runner_time, runner_tokens, runner_tps = after["result"], after["time"], after["tokens"], after["tps"]
     gen_time, prefill_time, prompt_lengths = after["generate"], after["prefill"], after["prompts"]
-    same_tokens = before["completions"] == after["completions"]
+    same_tokens = before["completions"] == after["completions"] == copied["completions"]
 
     # -- the naive loop --------------------------------------------------------------------------------
     naive_tokens, naive_time = 0, 0.0
@@ -157,6 +160,7 @@ def main() -> int:
     rows = [
         ("naive loop (generate per episode per turn)", naive_tokens, naive_time, naive_tps),
         ("runner, each turn re-prefilled (turn_cache_mb=0)", before["tokens"], before["time"], before["tps"]),
+        ("runner, prefix KV copied per row, cat-grown cache", copied["tokens"], copied["time"], copied["tps"]),
         ("tracegym runner (hf engine, turn KV kept)", runner_tokens, runner_time, runner_tps),
         (f"batched decode step, batch {batch}, context {context}", batch * steps, None, decode_tps),
     ]
@@ -166,7 +170,8 @@ def main() -> int:
     for name, tokens, secs, tps in rows:
         print(f"{name:50s} {tokens:8d} {secs if secs is not None else float('nan'):9.1f} {tps:8.1f}")
     print(f"\nrunner / naive: {runner_tps / naive_tps:.2f}x   runner / decode ceiling: {runner_tps / decode_tps:.0%}   "
-          f"turn KV kept / re-prefilled: {runner_tps / before['tps']:.2f}x")
+          f"turn KV kept / re-prefilled: {runner_tps / before['tps']:.2f}x   "
+          f"shared-prefix KV + preallocated cache / copied: {runner_tps / copied['tps']:.2f}x")
     print(f"prompt tokens computed: {before['prefill_tokens']} re-prefilled vs {after['prefill_tokens']} with the turn "
           f"store ({after['turn_reused']} reused); prefill time {before['prefill']:.1f}s vs {prefill_time:.1f}s; "
           f"same sampled tokens: {same_tokens}")

@@ -386,7 +386,9 @@ class RLRolloutConfig(_Section, RolloutSettings):
 
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Keyword options for the engine (base_url, gpu_memory_utilization, ...; hf: ``turn_cache_mb``,
-    the memory kept for episodes' previous turns, default 1024, 0 to trade speed for memory)."""
+    the memory kept for episodes' previous turns, default 1024, 0 to trade speed for memory;
+    ``share_prefix_kv`` and ``preallocate_kv``, default true: the batch's shared prompt prefix
+    keys/values held once, and decode writing into a preallocated cache; false only to compare)."""
 
     strategy: Literal["chains", "tree"] = "chains"
     """``chains``: ``group_size`` independent episodes per task. ``tree``: tree-search rollouts
