@@ -35,40 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from stages import ROOT, dump_yaml, run
+
 PY = sys.executable
 CLI = [PY, "-m", "tracegym"]
 ENV_OPTIONS = {"num_calls": 2}
 LORA = {"enabled": True, "r": 16, "alpha": 32}
 MAX_TURNS, MAX_TOKENS = 4, 64
 TRAIN_T, EVAL_T, EVAL_SAMPLES, KS = 1.0, 0.7, 4, (1, 2, 4)
-
-
-def run(cmd: list[str], log: Path) -> float:
-    """Run a stage as a subprocess (its output to ``log``); returns its peak RSS in MB."""
-    t0 = time.perf_counter()
-    rss_file = log.with_suffix(".rss")
-    with open(log, "w") as f:  # GNU time writes the stage's own peak RSS (KiB) to rss_file
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd], cwd=ROOT, stdout=f,
-                              stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"stage failed ({proc.returncode}): {' '.join(cmd)}\n  see {log}")
-    peak = float(rss_file.read_text().split()[-1]) / 1024
-    print(f"  done in {time.perf_counter() - t0:.0f}s, peak RSS {peak:.0f} MB  ({log.name})", flush=True)
-    return peak
-
-
-def dump_yaml(data: dict, path: Path) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -11,6 +11,7 @@ import torch
 from tracegym.engines import make_engine
 from tracegym.engines.hf import HFEngine, sampling_logprobs
 from tracegym.types import SamplingParams
+from engine_compare import compare_generations, random_ids
 
 PROMPTS = [[1, 9690, 198, 28120, 905, 2], [1, 4093, 198], [1, 4093, 198, 6004, 28, 1919, 314, 253, 1345, 30, 2, 198]]
 
@@ -222,25 +223,11 @@ def test_vllm_missing_gives_the_install_hint():
 
 
 # -- shared-prefix caching -------------------------------------------------------------------------
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-SHARED = _ids(40, 0)  # a "system prompt + tool schemas" shared by every prompt below
+SHARED = random_ids(40, 0)  # a "system prompt + tool schemas" shared by every prompt below
 # suffixes start with distinct tokens, so the common prefix is exactly SHARED; the first prompt is
 # SHARED + 1 token (the cap min_len - 1 = 40 equals the common prefix)
-SUFFIXES = [[7], [11, *_ids(2, 1)], [13, *_ids(6, 2)], [17, *_ids(11, 3)]]
+SUFFIXES = [[7], [11, *random_ids(2, 1)], [13, *random_ids(6, 2)], [17, *random_ids(11, 3)]]
 SHARED_PROMPTS = [SHARED + s for s in SUFFIXES]
-
-
-def _compare(out_a, out_b) -> float:
-    """Assert the same tokens and finish reasons; return the largest log-prob difference."""
-    worst = 0.0
-    for gens_a, gens_b in zip(out_a, out_b, strict=True):
-        for a, b in zip(gens_a, gens_b, strict=True):
-            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            worst = max(worst, max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0))
-    return worst
 
 
 @pytest.mark.parametrize(
@@ -256,7 +243,7 @@ def test_prefix_cache_equals_the_plain_path(tiny, params):
     cached, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
     out = cached.generate(SHARED_PROMPTS, params)
     ref = plain.generate(SHARED_PROMPTS, params)
-    assert _compare(out, ref) < 1e-4
+    assert compare_generations(out, ref) < 1e-4
     total = params.n * sum(len(p) for p in SHARED_PROMPTS)
     computed = 40 + sum(len(s) for s in SUFFIXES)  # the prefix once, each distinct suffix once
     assert plain.prefill_tokens == total and plain.prefix_tokens_reused == 0
@@ -280,12 +267,12 @@ def test_prefix_cache_across_chunks_and_stops(tiny):
     assert any(g.finish_reason == "stop" for gens in ref for g in gens)
     for batch in (1, 3, 5, 8):
         engine = HFEngine(model, max_batch_size=batch, turn_cache_mb=0)
-        assert _compare(engine.generate(SHARED_PROMPTS, params), ref) < 1e-4
+        assert compare_generations(engine.generate(SHARED_PROMPTS, params), ref) < 1e-4
         # batch 1: nothing to share within a chunk; otherwise each chunk reuses its prefix and repeats
         assert (engine.prefix_tokens_reused == 0) == (batch == 1)
         # with the turn store, a later chunk also takes SHARED from an earlier chunk's finished rows
         stored = HFEngine(model, max_batch_size=batch)
-        assert _compare(stored.generate(SHARED_PROMPTS, params), ref) < 1e-4
+        assert compare_generations(stored.generate(SHARED_PROMPTS, params), ref) < 1e-4
         assert (stored.turn_tokens_reused > 0) == (batch < 8)  # 8 rows: one chunk at batch 8
         assert stored.prefix_tokens_reused >= engine.prefix_tokens_reused
     whole = HFEngine(model, max_batch_size=8)
@@ -300,7 +287,7 @@ def test_a_prompt_that_is_a_prefix_of_another(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=6)
     engine = HFEngine(model)
     out = engine.generate(prompts, params)
-    assert _compare(out, HFEngine(model, prefix_cache=False).generate(prompts, params)) < 1e-4
+    assert compare_generations(out, HFEngine(model, prefix_cache=False).generate(prompts, params)) < 1e-4
     assert engine.prefill_tokens == 29 + (1 + 13 + 11)
     assert engine._shared_prefix_len(prompts, _dynamic_cache()) == 29
 
@@ -312,14 +299,14 @@ def test_identical_prompts_are_prefilled_once(tiny):
     engine = HFEngine(model)
     out = engine.generate([prompt, prompt], params)
     ref = HFEngine(model, prefix_cache=False).generate([prompt, prompt], params)
-    assert _compare(out, ref) < 1e-4
+    assert compare_generations(out, ref) < 1e-4
     assert engine.prefill_tokens == 12 and engine.prefix_tokens_reused == 7 * 12
     assert len({g.token_ids for gens in out for g in gens}) > 1  # the copies still sample apart
     # whole-prompt repeats and a shared prefix together: 2 distinct prompts x 3 samples
     engine = HFEngine(model)
     params = SamplingParams(temperature=0.0, max_tokens=5, n=3)
     out = engine.generate(SHARED_PROMPTS[1:3], params)
-    assert _compare(out, HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS[1:3], params)) < 1e-4
+    assert compare_generations(out, HFEngine(model, prefix_cache=False).generate(SHARED_PROMPTS[1:3], params)) < 1e-4
     assert engine.prefill_tokens == 40 + 3 + 7
 
 
@@ -361,13 +348,13 @@ def test_a_next_turn_reuses_the_previous_turns_keys_exactly(tiny, params):
     model, _ = tiny
     engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
     first = engine.generate(PROMPTS, params)
-    assert _compare(first, plain.generate(PROMPTS, params)) < 1e-4
+    assert compare_generations(first, plain.generate(PROMPTS, params)) < 1e-4
     kept = sum(len(p) + len(g.token_ids) - 1 for p, gens in zip(PROMPTS, first) for g in gens)
     assert sorted(len(k) for _, k in engine._turns) == sorted(len(p) + len(g[0].token_ids) - 1 for p, g in zip(PROMPTS, first))
     second = _next_turns(PROMPTS, first)
     before = engine.prefill_tokens
     out = engine.generate(second, params)
-    assert _compare(out, plain.generate(second, params)) < 1e-4  # same tokens, log-probs within 1e-4
+    assert compare_generations(out, plain.generate(second, params)) < 1e-4  # same tokens, log-probs within 1e-4
     assert engine.turn_tokens_reused == kept
     assert engine.prefill_tokens - before == sum(len(p) for p in second) - kept  # only the new tokens
     for prompt, gens in zip(second, out):  # and a teacher-forced forward of each whole sequence agrees
@@ -375,7 +362,7 @@ def test_a_next_turn_reuses_the_previous_turns_keys_exactly(tiny, params):
         assert torch.allclose(ref_lp, torch.tensor(gens[0].logprobs), atol=1e-4)
     # a third turn reuses the second's keys (each entry is taken out when used, the new one kept)
     third = _next_turns(second, out)
-    assert _compare(engine.generate(third, params), plain.generate(third, params)) < 1e-4
+    assert compare_generations(engine.generate(third, params), plain.generate(third, params)) < 1e-4
     assert engine.turn_tokens_reused == kept + sum(len(p) + len(g[0].token_ids) - 1 for p, g in zip(second, out))
 
 
@@ -413,12 +400,12 @@ def test_a_prompt_sharing_part_of_a_kept_turn_takes_that_part(tiny):
     engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
     engine.generate([SHARED_PROMPTS[3]], params)
     (kept,) = list(engine._turns)
-    branch = SHARED + [19, *_ids(5, 4)]
+    branch = SHARED + [19, *random_ids(5, 4)]
     out = engine.generate([branch], params)
-    assert _compare(out, plain.generate([branch], params)) < 1e-4
+    assert compare_generations(out, plain.generate([branch], params)) < 1e-4
     assert engine.turn_tokens_reused == 40 and engine.prefill_tokens == len(SHARED_PROMPTS[3]) + len(branch) - 40
     assert kept in engine._turns  # only a part was used: the entry stays for its own episode
     # under min_shared_prefix common tokens, nothing is taken
-    short = SHARED[:10] + [23, *_ids(20, 5)]
+    short = SHARED[:10] + [23, *random_ids(20, 5)]
     engine.generate([short], params)
     assert engine.turn_tokens_reused == 40

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer
 from tracegym.engines.hf import HFEngine
 from tracegym.engines.kv_buffers import KVBufferCache, KVBufferLayer
 from tracegym.types import SamplingParams
+from engine_compare import compare_generations, random_ids
 
 
 def _kv(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,25 +104,11 @@ def test_the_cache_swaps_plain_layers_only():
 
 
 # -- generation equals DynamicCache's --------------------------------------------------------------
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-SYSTEM = _ids(40, 0)  # a common "system prompt": the shared-prefix paths run
-SHARED_PROMPTS = [SYSTEM + [10 + i, *_ids(n, i + 1)] for i, n in enumerate((0, 3, 18, 7, 11, 1))]
-PLAIN_PROMPTS = [_ids(n, 20 + n) for n in (3, 12, 7, 25, 1, 9)]  # nothing shared, lengths differ
+SYSTEM = random_ids(40, 0)  # a common "system prompt": the shared-prefix paths run
+SHARED_PROMPTS = [SYSTEM + [10 + i, *random_ids(n, i + 1)] for i, n in enumerate((0, 3, 18, 7, 11, 1))]
+PLAIN_PROMPTS = [random_ids(n, 20 + n) for n in (3, 12, 7, 25, 1, 9)]  # nothing shared, lengths differ
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, n=2, seed=5)
-
-
-def _compare(out_a, out_b) -> float:
-    """Assert the same tokens and finish reasons; return the largest log-prob difference."""
-    worst = 0.0
-    for gens_a, gens_b in zip(out_a, out_b, strict=True):
-        for a, b in zip(gens_a, gens_b, strict=True):
-            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            worst = max(worst, max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0))
-    return worst
 
 
 def _engines(model, **kw) -> tuple[HFEngine, HFEngine]:
@@ -142,11 +129,11 @@ def test_generation_equals_the_dynamic_cache(tiny_model, params, prompts, option
     for batch in (3, 16):  # several chunks of different prompt lengths, and one
         ours, ref = _engines(model, max_batch_size=batch, turn_cache_mb=0, **options)
         first = ref.generate(prompts, params)
-        assert _compare(ours.generate(prompts, params), first) < 1e-5
+        assert compare_generations(ours.generate(prompts, params), first) < 1e-5
         stop = _stopping(params, first)
         out = ref.generate(prompts, stop)
         assert any(g.finish_reason == "stop" for gens in out for g in gens)
-        assert _compare(ours.generate(prompts, stop), out) < 1e-5
+        assert compare_generations(ours.generate(prompts, stop), out) < 1e-5
         assert ours.prefill_tokens == ref.prefill_tokens
 
 
@@ -156,7 +143,7 @@ def test_identical_prompts(tiny_model, params):
     model, _ = tiny_model
     for prompts in ([SHARED_PROMPTS[2]], [SHARED_PROMPTS[2], SHARED_PROMPTS[4]], [PLAIN_PROMPTS[1]] * 2):
         ours, ref = _engines(model)
-        assert _compare(ours.generate(prompts, params), ref.generate(prompts, params)) < 1e-5
+        assert compare_generations(ours.generate(prompts, params), ref.generate(prompts, params)) < 1e-5
 
 
 def _next_turns(prompts, outs, observation=(198, 4093, 198)):
@@ -172,7 +159,7 @@ def test_turns_through_the_turn_store(tiny_model, share_prefix_kv, params):
     prompts = SHARED_PROMPTS + PLAIN_PROMPTS[:2]
     for _turn in range(3):
         out = ref.generate(prompts, params)
-        assert _compare(ours.generate(prompts, params), out) < 1e-5
+        assert compare_generations(ours.generate(prompts, params), out) < 1e-5
         assert ours.turn_tokens_reused == ref.turn_tokens_reused and ours.prefill_tokens == ref.prefill_tokens
         # kept turns are copies of their rows, not views keeping a chunk's buffers alive
         for entry in ours._turns.values():
@@ -193,10 +180,10 @@ def test_lora_model():
             if "lora_B" in name:
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     ours, ref = _engines(model, max_batch_size=4)
-    assert _compare(ours.generate(SHARED_PROMPTS, SAMPLED), ref.generate(SHARED_PROMPTS, SAMPLED)) < 1e-5
+    assert compare_generations(ours.generate(SHARED_PROMPTS, SAMPLED), ref.generate(SHARED_PROMPTS, SAMPLED)) < 1e-5
     follow = _next_turns(SHARED_PROMPTS[:2], ref.generate(SHARED_PROMPTS[:2], GREEDY))
     ours.generate(SHARED_PROMPTS[:2], GREEDY)
-    assert _compare(ours.generate(follow, GREEDY), ref.generate(follow, GREEDY)) < 1e-5
+    assert compare_generations(ours.generate(follow, GREEDY), ref.generate(follow, GREEDY)) < 1e-5
 
 
 def test_mixed_adapters():
@@ -218,7 +205,7 @@ def test_mixed_adapters():
     ours, ref = _engines(pool.model, max_batch_size=4)
     for params in (GREEDY, SAMPLED):
         out = ref.generate(prompts, params, adapters=names)
-        assert _compare(ours.generate(prompts, params, adapters=names), out) < 1e-5
+        assert compare_generations(ours.generate(prompts, params, adapters=names), out) < 1e-5
 
 
 # -- decode never reallocates ----------------------------------------------------------------------

@@ -222,11 +222,11 @@ def test_run_rollouts_prints_plain_progress_to_a_redirected_stdout(capsys):
 # --- the CLI's warning filter --------------------------------------------------------------------
 
 
-def _shown(category: type[Warning], module: str) -> bool:
+def _shown(category: type[Warning], module: str, message: str = "deprecated") -> bool:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hide_dependency_future_warnings()
-        warnings.warn_explicit("deprecated", category, filename="x.py", lineno=1, module=module)
+        warnings.warn_explicit(message, category, filename="x.py", lineno=1, module=module)
     return bool(caught)
 
 
@@ -238,6 +238,10 @@ def test_cli_hides_future_warnings_of_transformers_and_peft_only():
     assert _shown(FutureWarning, "transformers_extra")  # a different package that only starts alike
     assert _shown(DeprecationWarning, "transformers.modeling_utils")  # other categories still show
     assert _shown(UserWarning, "peft.tuners.lora")
+    # peft's note on saving an adapter of a base it cannot look up (a tracegym model name) is hidden
+    saving = "Could not find a config file in smollm2-135m - will assume that the vocabulary was not modified."
+    assert not _shown(UserWarning, "peft.utils.save_and_load", saving)
+    assert _shown(UserWarning, "tracegym.train.checkpoint", saving)
 
 
 def test_cli_entry_installs_the_filter(capsys):

@@ -11,27 +11,14 @@ import torch
 from tracegym.engines.hf import HFEngine
 from tracegym.engines.shared_prefix import ATTENTION_NAME, SharedPrefix, shared_prefix_attention_forward
 from tracegym.types import SamplingParams
+from engine_compare import compare_generations, random_ids
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-SYSTEM = _ids(48, 0)  # the "system prompt + tool schemas" every prompt starts with
+SYSTEM = random_ids(48, 0)  # the "system prompt + tool schemas" every prompt starts with
 # distinct first tokens, so the rows share exactly SYSTEM; lengths 1..19 so chunks pad differently
-PROMPTS = [SYSTEM + [10 + i, *_ids(n, i + 1)] for i, n in enumerate((0, 3, 18, 7, 11, 1, 5, 14))]
+PROMPTS = [SYSTEM + [10 + i, *random_ids(n, i + 1)] for i, n in enumerate((0, 3, 18, 7, 11, 1, 5, 14))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, n=2, seed=5)
-
-
-def _compare(out_a, out_b) -> float:
-    """Assert the same tokens and finish reasons; return the largest log-prob difference."""
-    worst = 0.0
-    for gens_a, gens_b in zip(out_a, out_b, strict=True):
-        for a, b in zip(gens_a, gens_b, strict=True):
-            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            worst = max(worst, max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0))
-    return worst
 
 
 def _next_turns(prompts, outs, observation=(198, 4093, 198)):
@@ -125,7 +112,7 @@ def test_generation_equals_the_plain_path(tiny_model, params, batch):
     for turn_cache_mb in (0, 1024):  # later chunks take SYSTEM from the turn store when it is on
         engine = HFEngine(model, max_batch_size=batch, turn_cache_mb=turn_cache_mb)
         calls = _spy(engine)
-        assert _compare(engine.generate(PROMPTS, params), plain) < 1e-4
+        assert compare_generations(engine.generate(PROMPTS, params), plain) < 1e-4
         shared = [c for c in calls if c["prefix"] is not None]
         assert shared and all(len(c["prefix"]) == len(SYSTEM) for c in shared)
         assert all(c["implementation"] == ATTENTION_NAME for c in shared)
@@ -133,7 +120,7 @@ def test_generation_equals_the_plain_path(tiny_model, params, batch):
         assert model.config._attn_implementation == "sdpa"  # switched only during the passes
         copied = HFEngine(model, max_batch_size=batch, turn_cache_mb=turn_cache_mb, share_prefix_kv=False)
         copied_calls = _spy(copied)
-        assert _compare(copied.generate(PROMPTS, params), plain) < 1e-4
+        assert compare_generations(copied.generate(PROMPTS, params), plain) < 1e-4
         assert all(c["prefix"] is None for c in copied_calls)
         assert engine.prefill_tokens == copied.prefill_tokens  # the same tokens computed, only stored once
 
@@ -146,7 +133,7 @@ def test_repeated_prompts_share_all_but_their_last_token(tiny_model, params):
         engine = HFEngine(model)
         calls = _spy(engine)
         out = engine.generate(prompts, params)
-        assert _compare(out, HFEngine(model, prefix_cache=False).generate(prompts, params)) < 1e-4
+        assert compare_generations(out, HFEngine(model, prefix_cache=False).generate(prompts, params)) < 1e-4
         expected = len(prompts[0]) - 1 if len(prompts) == 1 else len(SYSTEM)
         # a batch-1 pass computes the prefix, then the rows attend to it
         assert calls[0]["prefix"] is None and calls[0]["rows"] == 1 and calls[0]["q"] == expected
@@ -189,7 +176,7 @@ def test_later_turns_keep_the_prefix_shared(tiny_model, params):
     engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
     calls = _spy(engine)
     first = engine.generate(PROMPTS, params)
-    assert _compare(first, plain.generate(PROMPTS, params)) < 1e-4
+    assert compare_generations(first, plain.generate(PROMPTS, params)) < 1e-4
     prefix = calls[1]["prefix"]  # calls[0]: the batch-1 pass that computes it
     entries = list(engine._turns.values())
     assert len(entries) == len(PROMPTS) and all(e.prefix is prefix for e in entries)
@@ -201,13 +188,13 @@ def test_later_turns_keep_the_prefix_shared(tiny_model, params):
     kept = sum(len(e.tokens) for e in entries)
     calls.clear()
     out = engine.generate(second, params)
-    assert _compare(out, plain.generate(second, params)) < 1e-4
+    assert compare_generations(out, plain.generate(second, params)) < 1e-4
     assert engine.turn_tokens_reused == kept  # every row extends its own previous turn
     assert calls[0]["prefix"] is prefix and calls[0]["own"] == max(len(p) for p in second) - len(SYSTEM)
     # the third turn, with one fresh episode among them: SYSTEM still comes from the same memory
     third = _next_turns(second, out) + [SYSTEM + [4999, 7, 8]]
     calls.clear()
-    assert _compare(engine.generate(third, params), plain.generate(third, params)) < 1e-4
+    assert compare_generations(engine.generate(third, params), plain.generate(third, params)) < 1e-4
     assert calls[0]["prefix"].storage_id == prefix.storage_id
     assert engine._turn_bytes == sum(e.nbytes for e in engine._turns.values()) + prefix.storage_nbytes
 
@@ -216,10 +203,10 @@ def test_later_turns_keep_the_prefix_shared(tiny_model, params):
     calls.clear()
     before = engine.turn_tokens_reused
     alone = engine.generate(third[:1], params)
-    assert _compare(alone, plain.generate(third[:1], params)) < 1e-4
+    assert compare_generations(alone, plain.generate(third[:1], params)) < 1e-4
     assert calls[0]["prefix"] is None and engine.turn_tokens_reused - before == len(third[0]) - 1
     fourth = _next_turns(third[:1], alone)
-    assert _compare(engine.generate(fourth, params), plain.generate(fourth, params)) < 1e-4
+    assert compare_generations(engine.generate(fourth, params), plain.generate(fourth, params)) < 1e-4
 
 
 def test_a_longer_common_start_than_the_kept_prefix(tiny_model):
@@ -229,13 +216,13 @@ def test_a_longer_common_start_than_the_kept_prefix(tiny_model):
     params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=9)
     engine, plain = HFEngine(model), HFEngine(model, prefix_cache=False)
     first = engine.generate(PROMPTS[:3], params)
-    assert _compare(first, plain.generate(PROMPTS[:3], params)) < 1e-4
+    assert compare_generations(first, plain.generate(PROMPTS[:3], params)) < 1e-4
     follow = _next_turns(PROMPTS[2:3], first[2:3])
     assert follow[0] != follow[1]
     calls = _spy(engine)
     reused, computed = engine.turn_tokens_reused, engine.prefill_tokens
     out = engine.generate(follow, SamplingParams(temperature=0.0, max_tokens=6))
-    assert _compare(out, plain.generate(follow, SamplingParams(temperature=0.0, max_tokens=6))) < 1e-4
+    assert compare_generations(out, plain.generate(follow, SamplingParams(temperature=0.0, max_tokens=6))) < 1e-4
     common = len(PROMPTS[2])
     while follow[0][common] == follow[1][common]:
         common += 1
@@ -272,5 +259,5 @@ def test_lora_model_shares_the_prefix_too():
     engine = HFEngine(model, max_batch_size=4)
     calls = _spy_peft(engine)
     out = engine.generate(PROMPTS, SAMPLED)
-    assert _compare(out, HFEngine(model, max_batch_size=4, prefix_cache=False).generate(PROMPTS, SAMPLED)) < 1e-4
+    assert compare_generations(out, HFEngine(model, max_batch_size=4, prefix_cache=False).generate(PROMPTS, SAMPLED)) < 1e-4
     assert any(prefix is not None for prefix in calls)

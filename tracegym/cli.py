@@ -110,6 +110,10 @@ def hide_dependency_future_warnings() -> None:
     Matched by the module the warning is attributed to; tracegym's own warnings and every other
     category still show."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
+    # peft saving an adapter whose base is a tracegym model name (``smollm2-135m``), not a hub id it
+    # could look up: the vocabulary is unchanged (LoRA never resizes it), so the warning says nothing
+    warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning,
+                            module=r"peft(\.|$)")
 
 
 def main(argv: list[str] | None = None) -> int:
