@@ -2,9 +2,11 @@
 
 Why: transformers' ``DynamicLayer.update`` concatenates the whole layer cache with the new token's
 keys and values at every decode step. With 64 rows x 400 tokens x 46 KB per token (SmolLM2-135M,
-fp32) every step copies 1.2 GB and allocates a fresh buffer per layer while the old one is still
-alive: the copies cost decode time, and the ever larger short-lived blocks fragment glibc's heap
-(RSS was measured growing by about 1 GB per ``generate`` call and never shrinking).
+fp32) every step copies 1.2 GB, one layer at a time, each into a fresh block a little larger than
+the last. Measured on the eval workload of the demo's RL adapter (40 tasks x 4, 64 rows): identical
+tokens and log-probs, RSS after each ``generate`` call 290-640 MB lower, peak RSS about 100 MB
+lower (the old block is freed right after each layer's copy, so the cat path's extra memory at any
+moment is about one layer, not a second cache).
 
 Here each layer holds one key and one value buffer ``[rows, Hkv, capacity, D]``; its ``keys`` /
 ``values`` are views ``[B, Hkv, length, D]`` of the filled part, and ``update`` writes the new
