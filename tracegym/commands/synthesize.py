@@ -145,18 +145,11 @@ def apply_config(args: argparse.Namespace, parser_defaults: dict) -> object | in
     cfg = load_for_command(SynthesizeConfig, args)
     if isinstance(cfg, int):
         return cfg
-    values = {
-        "env": cfg.env.name, "env_option": list(cfg.env.options.items()), "split": cfg.split, "tasks": cfg.tasks,
-        "task_seed": cfg.task_seed, "samples": cfg.samples, "teacher": cfg.teacher.source,
-        "teacher_model": cfg.teacher.model, "teacher_renderer": cfg.teacher.renderer,
-        "api_key_env": cfg.teacher.api_key_env, "student": cfg.student.model,
-        "student_renderer": cfg.student.renderer, "filters": list(cfg.filters), "max_turns": cfg.max_turns,
-        "max_tokens_per_turn": cfg.max_tokens_per_turn, "max_context": cfg.max_context,
-        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "timeout": cfg.timeout,
-        "concurrency": cfg.concurrency, "parquet": cfg.parquet, "out": cfg.output_dir,
-    }
-    for key, value in values.items():
-        setattr(args, key, value)
+    for flag, key in CONFIG_KEYS.items():  # each flag's value read from its config key
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        setattr(args, flag, list(value.items()) if flag == "env_option" else value)
     return cfg
 
 
