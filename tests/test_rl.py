@@ -361,8 +361,11 @@ def test_micro_batch_size_does_not_change_the_logged_step(tmp_path):
     assert one["examples/count"] == big["examples/count"] == by_tokens["examples/count"] > 1
     for key in ("train/loss", "train/grad_norm", "train/ratio_min", "train/ratio_max", "train/ratio_mean",
                 "train/entropy", "train/kl_ref", "train/clip_frac"):
-        assert one[key] == pytest.approx(big[key], rel=1e-4, abs=1e-6), key
-        assert one[key] == pytest.approx(by_tokens[key], rel=1e-4, abs=1e-6), key
+        # the ratios are read after the first epoch's step (full fine-tuning at lr 1e-2), which
+        # magnifies the float rounding of another micro-batch split about tenfold
+        rel = 1e-3 if key.startswith("train/ratio") else 1e-4
+        assert one[key] == pytest.approx(big[key], rel=rel, abs=1e-6), key
+        assert one[key] == pytest.approx(by_tokens[key], rel=rel, abs=1e-6), key
 
 
 def test_temperature_below_one_keeps_the_first_pass_on_policy(tmp_path):

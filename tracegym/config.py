@@ -339,6 +339,12 @@ class RolloutSettings(BaseModel):
     """After the run, re-score the sampled tokens with a teacher-forced forward pass of the engine's
     model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
 
+    batching: Literal["continuous", "per_turn"] = "continuous"
+    """How episodes share the model (token engines): ``continuous``, one running batch that each
+    episode's turn joins when it is ready and leaves when it ends (engines that offer it: hf; others
+    fall back to ``per_turn``); ``per_turn``, one generate call for all the episodes waiting, which
+    ends when its slowest row does."""
+
 
 class TreeConfig(_Section):
     """Tree-search rollouts (``rollout.strategy: tree``): each task's group is the leaves of a tree

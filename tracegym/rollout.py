@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -171,7 +172,8 @@ class _Batcher:
         self.calls = 0
         self.rows = 0
 
-    async def generate(self, prompt: list[int], max_tokens: int, adapter: str | None = None) -> Generation:
+    async def generate(self, prompt: list[int], max_tokens: int, adapter: str | None = None,
+                       seed_key: tuple[int, int] = (0, 0)) -> Generation:
         fut = asyncio.get_running_loop().create_future()
         self.queue.append(_Request(prompt, max_tokens, fut, adapter))
         self.wake.set()
@@ -183,6 +185,11 @@ class _Batcher:
     def episode_finished(self) -> None:
         self.active -= 1
         self.wake.set()
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Rows per generate call."""
+        return self.rows / self.calls if self.calls else 0.0
 
     def _prune(self) -> None:
         # requests of episodes that timed out while queued
@@ -238,6 +245,83 @@ class _Batcher:
                     r.future.set_result(cut_generation(gens[0], r.max_tokens))
             if self.queue:
                 self.wake.set()
+
+
+class _StreamBatcher:
+    """Continuous batching (``RolloutConfig.batching="continuous"``, engines with
+    ``continuous_decoder``: hf): each episode's turn joins one running batch as soon as it is ready
+    and leaves it when it ends (``tracegym.engines.hf_continuous``), instead of waiting for one
+    generate call of all waiting episodes. The decoder runs on a worker thread for the whole run.
+
+    Each turn is sampled with its own generator, seeded from the run's seed, the episode's index in
+    the run and the turn (``seed_key``), so what an episode samples does not depend on which others
+    shared its decode steps (up to float rounding)."""
+
+    def __init__(self, engine: Any, params: SamplingParams, seed: int | None, wait_s: float):
+        self.decoder = engine.continuous_decoder(params, settle_s=wait_s)
+        self.seed = seed
+        self._thread: threading.Thread | None = None
+
+    @property
+    def calls(self) -> int:
+        """Prefill passes that admitted rows into the batch."""
+        return self.decoder.admissions
+
+    @property
+    def rows(self) -> int:
+        return self.decoder.admitted_rows
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Rows per decode step."""
+        return self.decoder.mean_batch_size
+
+    def episode_started(self) -> None:
+        self.decoder.episode_started()
+
+    def episode_finished(self) -> None:
+        self.decoder.episode_ended()
+
+    async def generate(self, prompt: list[int], max_tokens: int, adapter: str | None = None,
+                       seed_key: tuple[int, int] = (0, 0)) -> Generation:
+        if adapter is not None:
+            raise PolicyError("continuous batching samples with the model's active adapter only (use batching: per_turn)")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def resolve(generation: Generation | None, error: BaseException | None) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(_EngineFailure(_describe(error)))
+            elif generation is None:
+                fut.set_exception(_EngineFailure("the request was dropped"))
+            else:
+                fut.set_result(generation)
+
+        def done(generation: Generation | None, error: BaseException | None) -> None:  # the decoder's thread
+            with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
+                loop.call_soon_threadsafe(resolve, generation, error)
+
+        seed = None
+        if self.seed is not None:
+            episode, turn = seed_key
+            seed = ((self.seed * 1_000_003 + episode) * 1_000_003 + turn) % (2**63)
+        request = self.decoder.submit(prompt, max_tokens, seed, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            request.cancel()  # the episode timed out: its row leaves the batch
+            raise
+
+    async def run(self) -> None:
+        self._thread = threading.Thread(target=self.decoder.run, daemon=True, name="tracegym-continuous-batch")
+        self._thread.start()
+        try:
+            await asyncio.Event().wait()  # until the run ends (cancelled)
+        finally:
+            self.decoder.close()
+            await asyncio.to_thread(self._thread.join)
 
 
 def env_factory(env: "str | Callable[[], Env] | None", env_options: dict[str, Any] | None = None
@@ -299,9 +383,11 @@ class _RenderedPolicy:
     one's tokens (:func:`run_prefixed_episodes`).
     """
 
-    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = (), adapter: str | None = None):
+    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = (), adapter: str | None = None,
+                 episode_index: int = 0):
         self.runner = runner
         self.env = env
+        self.episode_index = episode_index  # the episode's place in the run (seeds continuous batching)
         self.adapter = adapter  # a team role's LoRA adapter (token engines that take ``adapters=``)
         self.prompt: list[int] | None = None
         self.completion: list[int] = []
@@ -345,7 +431,7 @@ class _RenderedPolicy:
         runner = self.runner
         if runner.mode == "token":
             assert runner.batcher is not None
-            gen = await runner.batcher.generate(prompt, budget, self.adapter)
+            gen = await runner.batcher.generate(prompt, budget, self.adapter, seed_key=(self.episode_index, obs.turn))
             try:
                 parsed = runner.renderer.parse_completion(gen.token_ids)
             except Exception as exc:  # noqa: BLE001
@@ -404,21 +490,23 @@ class _Runner:
             seed=config.seed,
         )
         self.mode = _policy_mode(policy)
-        self.batcher: _Batcher | None = None
+        self.batcher: _Batcher | _StreamBatcher | None = None
 
     async def episode(
         self, task: Task, sample_index: int, sem: asyncio.Semaphore, *,
-        make_env: Callable[[], Env] | None = None, prefix: Sequence[Action] = (),
+        make_env: Callable[[], Env] | None = None, prefix: Sequence[Action] = (), index: int = 0,
     ) -> Trajectory:
         """One episode through the shared loop; failed ones are zero-rewarded when configured.
-        ``make_env`` replaces the runner's env factory, ``prefix`` is played first (``_RenderedPolicy``)."""
+        ``make_env`` replaces the runner's env factory, ``prefix`` is played first (``_RenderedPolicy``);
+        ``index``: the episode's place in the run (its sampling seeds under continuous batching)."""
         cfg = self.config
         async with sem:
             if self.batcher is not None:
                 self.batcher.episode_started()
             try:
                 traj = await play_episode(
-                    make_env or self.env_factory, task, lambda env: _RenderedPolicy(self, env, prefix),
+                    make_env or self.env_factory, task,
+                    lambda env: _RenderedPolicy(self, env, prefix, episode_index=index),
                     max_turns=cfg.max_turns, max_tokens=cfg.max_tokens_per_episode, timeout_s=cfg.episode_timeout_s,
                     sample_index=sample_index, env_name=self.env_name, policy_name=self.policy_name,
                 )
@@ -442,13 +530,19 @@ def _progress_bar(total: int, enabled: bool, **kwargs: Any):
 
 
 @contextlib.asynccontextmanager
-async def _batching(runner: _Runner, policy: Any, config: RolloutConfig) -> AsyncIterator[None]:
-    """For a token engine: the batcher task gathering every waiting episode into one ``generate``
-    call, running while the block runs and cancelled after it (nothing for message-level policies)."""
+async def _batching(runner: _Runner, policy: Any, config: RolloutConfig, *,
+                    continuous: bool = True) -> AsyncIterator[None]:
+    """For a token engine: the batcher task, running while the block runs and cancelled after it
+    (nothing for message-level policies): continuous batching (``_StreamBatcher``) when the config
+    asks for it, ``continuous`` allows it (not for per-row adapters) and the engine offers it, else
+    one ``generate`` call for every waiting episode (``_Batcher``)."""
     if runner.mode != "token":
         yield
         return
-    runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
+    if continuous and config.batching == "continuous" and callable(getattr(policy, "continuous_decoder", None)):
+        runner.batcher = _StreamBatcher(policy, runner.params, config.seed, config.batch_wait_s)
+    else:
+        runner.batcher = _Batcher(policy, runner.params, config.seed, config.batch_wait_s)
     # An engine's store of earlier turns' keys/values (the hf engine's turn store) lives for one run:
     # the same run twice computes the same things (bit-identical log-probs), and a run never reuses
     # keys from before it (another run's episodes, or weights since changed in place).
@@ -531,7 +625,7 @@ async def run_rollouts(
         sem = asyncio.Semaphore(config.concurrency)
 
         async def one(index: int, task: Task, sample_index: int) -> None:
-            on_done(index, await runner.episode(task, sample_index, sem))
+            on_done(index, await runner.episode(task, sample_index, sem, index=index))
 
         async with _batching(runner, policy, config):
             await asyncio.gather(*(one(i, task, k) for i, (task, k) in enumerate(episodes)))
@@ -549,7 +643,7 @@ async def run_rollouts(
         turns=sum(len(t.turns) for t in list(kept.values()) + list(failed.values())),
         generated_tokens=generated,
         generate_calls=runner.batcher.calls if runner.batcher else 0,
-        mean_batch_size=(runner.batcher.rows / runner.batcher.calls) if runner.batcher and runner.batcher.calls else 0.0,
+        mean_batch_size=runner.batcher.mean_batch_size if runner.batcher else 0.0,
         wall_time_s=wall,
         episodes_per_s=len(episodes) / wall if wall > 0 else 0.0,
         tokens_per_s=generated / wall if wall > 0 else 0.0,
@@ -611,7 +705,8 @@ async def run_prefixed_episodes(
     t0 = time.perf_counter()
     async with _batching(runner, policy, config):
         trajectories = list(await asyncio.gather(*(
-            runner.episode(e.task, e.sample_index, sem, make_env=e.make_env, prefix=e.prefix) for e in episodes
+            runner.episode(e.task, e.sample_index, sem, make_env=e.make_env, prefix=e.prefix, index=i)
+            for i, e in enumerate(episodes)
         )))
     wall = time.perf_counter() - t0
     failed = [t for t in trajectories if t.end_reason in FAILED_END_REASONS]
@@ -623,7 +718,7 @@ async def run_prefixed_episodes(
         end_reasons=dict(Counter(t.end_reason for t in trajectories)),
         errors=[f"{t.task_id}/{t.sample_index}: {t.end_reason}: {t.error}" for t in failed[:20]],
         turns=sum(len(t.turns) for t in trajectories), generated_tokens=generated,
-        generate_calls=batcher.calls, mean_batch_size=batcher.rows / batcher.calls if batcher.calls else 0.0,
+        generate_calls=batcher.calls, mean_batch_size=batcher.mean_batch_size,
         wall_time_s=wall, episodes_per_s=len(trajectories) / wall if wall > 0 else 0.0,
         tokens_per_s=generated / wall if wall > 0 else 0.0,
     )

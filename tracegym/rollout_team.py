@@ -161,7 +161,8 @@ async def _run_team(
         if writer is not None:
             writer.write_all(trajectories)
 
-    async with _batching(runner, policy, config):
+    # per-turn batching: the roles' rows carry their own adapters, which one running batch does not mix
+    async with _batching(runner, policy, config, continuous=False):
         await asyncio.gather(*(one(i, episode) for i, episode in enumerate(episodes)))
     wall = time.perf_counter() - t0
     kept_trajectories = [t for i in sorted(kept) for t in kept[i]]
@@ -175,7 +176,7 @@ async def _run_team(
         turns=sum(len(t.turns) for ts in list(kept.values()) + list(failed.values()) for t in ts),
         generated_tokens=generated,
         generate_calls=batcher.calls if batcher else 0,
-        mean_batch_size=(batcher.rows / batcher.calls) if batcher and batcher.calls else 0.0,
+        mean_batch_size=batcher.mean_batch_size if batcher else 0.0,
         wall_time_s=wall, episodes_per_s=len(episodes) / wall if wall > 0 else 0.0,
         tokens_per_s=generated / wall if wall > 0 else 0.0,
     )

@@ -177,6 +177,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_tasks: int, de
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--concurrency", type=positive_int, default=64, help="episodes alive at once (default 64)")
+    parser.add_argument("--batching", choices=("continuous", "per_turn"), default="continuous",
+                        help="hf engine: turns join one running batch (continuous, default) or wait for one "
+                             "generate call per turn (per_turn)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", required=True, help="output folder")
 
@@ -452,6 +455,7 @@ def rollout_config(
             seed=args.seed,
             samples_per_task=args.samples,
             concurrency=args.concurrency,
+            batching=args.batching,
             on_env_error=on_env_error,
             measure_logprob_gap=measure_logprob_gap and setup.gap_model is not None,
         )

@@ -323,6 +323,15 @@ class HFEngine(Engine):
             grouped[pi].append(g)
         return grouped
 
+    def continuous_decoder(self, params: SamplingParams, **options: Any) -> Any:
+        """A ``ContinuousDecoder`` (``tracegym.engines.hf_continuous``) over this engine's model: one
+        running batch that requests join and leave, for the rollout runner (``options``: its
+        ``settle_s``, ``admit_fraction``, ``max_wait_steps``). Sampled with ``params`` (temperature,
+        top-p, stops); each request brings its own budget and seed."""
+        from tracegym.engines.hf_continuous import ContinuousDecoder
+
+        return ContinuousDecoder(self, params, **options)
+
     # -- scoring given sequences ---------------------------------------------------------------------
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """For each sequence, ``log p(seq[i] | seq[:i])`` for ``i >= 1`` (``len(seq) - 1`` floats) under
@@ -538,7 +547,8 @@ class HFEngine(Engine):
         """Holes in the cache (between parts) are exact only for plain full-attention layers."""
         from transformers.cache_utils import DynamicLayer
 
-        return all(type(layer) in (DynamicLayer, KVBufferLayer) for layer in getattr(cache, "layers", ()))
+        return all(type(layer) is DynamicLayer or getattr(type(layer), "plain_full_attention", False)
+                   for layer in getattr(cache, "layers", ()))
 
     @staticmethod
     def _reserve(cache: Any, length: int) -> None:

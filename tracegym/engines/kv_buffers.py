@@ -42,6 +42,8 @@ class KVBufferLayer(DynamicLayer):
     ``buffer[:B, :, :length]``.
     """
 
+    plain_full_attention = True  # the engine may leave holes in it (HFEngine._plain_layers)
+
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._key_buffer: torch.Tensor | None = None

@@ -1,0 +1,299 @@
+"""Continuous batching (``tracegym.engines.hf_continuous``): rows join and leave one running batch.
+
+The slot cache against per-row reference tensors; the decoder against each request decoded alone by
+``HFEngine.generate`` with the same seed (same tokens, log-probs within 1e-4) while rows of other
+lengths, later turns and non-sharing prompts join mid-batch; cancellation and a failing forward
+pass; and the rollout runner with ``batching="continuous"``: seeded, reproducible, teacher-forced
+log-probs within 1e-4, a failing engine failing only its episodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_compare import random_ids
+from tracegym.engines.hf import HFEngine
+from tracegym.engines.hf_continuous import ContinuousDecoder, SlotKVCache
+from tracegym.types import SamplingParams
+
+SYSTEM = random_ids(40, 0)
+PROMPTS = [SYSTEM + [10 + i, *random_ids(n, i + 1)] for i, n in enumerate((0, 9, 3, 17, 6, 1))]
+OBSERVATION = [198, 4093, 198, 11]
+
+
+# -- the slot cache --------------------------------------------------------------------------------
+def test_slot_cache_rows_of_any_length_join_write_and_leave():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    cache = SlotKVCache(config, max_rows=4)
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = 2, 8
+
+    def row(n):
+        return [(torch.randn(heads, n, dim, generator=gen), torch.randn(heads, n, dim, generator=gen)) for _ in range(2)]
+
+    reference = [row(3), row(7)]  # per row, per layer (keys, values) [Hkv, n, D]
+    cache.add_rows(reference, cols_needed=8)
+    assert cache.rows == 2 and cache.length == 7 and cache.lens.tolist() == [3, 7]
+
+    def step():
+        new = [(torch.randn(cache.rows, heads, 1, dim, generator=gen), torch.randn(cache.rows, heads, 1, dim, generator=gen))
+               for _ in range(2)]
+        for layer_idx, layer in enumerate(cache.layers):
+            keys, values = layer.update(*new[layer_idx], layer_idx)
+            assert keys.shape[2] == cache.length + 1
+        for b in range(cache.rows):  # each row's token goes after its own tokens
+            for layer_idx in range(2):
+                reference[b][layer_idx] = tuple(torch.cat([old, fresh[b]], dim=1) for old, fresh in
+                                                zip(reference[b][layer_idx], new[layer_idx]))
+        cache.advance()
+
+    def check():
+        assert cache.lens.tolist() == [ref[0][0].shape[1] for ref in reference]
+        mask = cache.filled_mask().bool()
+        for layer_idx, layer in enumerate(cache.layers):
+            assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()  # masked columns too
+            for b, ref in enumerate(reference):
+                assert torch.equal(layer.keys[b][:, mask[b]], ref[layer_idx][0])
+                assert torch.equal(layer.values[b][:, mask[b]], ref[layer_idx][1])
+
+    step()
+    check()
+    reference.append(row(12))  # longer than the running rows: they expose new (zeroed) columns
+    cache.add_rows(reference[-1:], cols_needed=14)
+    check()
+    for _ in range(9):  # past the columns reserved: the buffers grow, the rows stay
+        step()
+    check()
+    decode_mask = cache.decode_mask()
+    assert decode_mask.shape == (3, 1, 1, cache.length + 1) and decode_mask.sum(-1).flatten().tolist() == [
+        n + 1 for n in cache.lens.tolist()]
+    cache.keep([1, 2])  # the first row leaves: the others move down a slot
+    del reference[0]
+    check()
+    assert cache.length == max(cache.lens.tolist())
+    cache.keep([1])  # the longest row stays, alone
+    del reference[0]
+    check()
+
+
+# -- the decoder against each request alone ---------------------------------------------------------
+def _engine(tiny_model, **options) -> HFEngine:
+    model, tokenizer = tiny_model
+    return HFEngine(model, tokenizer, max_batch_size=options.pop("max_batch_size", 6), **options)
+
+
+def _alone(engine: HFEngine, prompt, params: SamplingParams, max_tokens: int, seed: int):
+    [[generation]] = engine.generate([prompt], params.model_copy(update={"max_tokens": max_tokens, "seed": seed}))
+    return generation
+
+
+def _drive(decoder: ContinuousDecoder, schedule: dict[int, list[tuple[list[int], int, int]]]) -> dict[int, object]:
+    """Step ``decoder``, submitting ``schedule[step]`` (prompt, max_tokens, seed) before step ``step``;
+    returns seed -> Generation. Records the batch sizes it saw."""
+    results: dict[int, object] = {}
+    sizes: list[int] = []
+
+    def done_for(seed):
+        def done(generation, error):
+            assert error is None
+            results[seed] = generation
+        return done
+
+    step = 0
+    while step <= max(schedule) or decoder.rows or decoder._queue:
+        for prompt, max_tokens, seed in schedule.get(step, []):
+            decoder.submit(prompt, max_tokens, seed, done_for(seed))
+        decoder.step()
+        sizes.append((len(decoder.rows), decoder.admissions))
+        step += 1
+        assert step < 500
+    decoder.sizes = sizes  # type: ignore[attr-defined]
+    return results
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=8),
+                                    SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8)],
+                         ids=["greedy", "sampled"])
+def test_rows_joining_a_running_batch_sample_what_they_sample_alone(tiny_model, params):
+    engine = _engine(tiny_model)
+    # turn 0 of four episodes (two with the same prompt), then a fifth and sixth joining mid-batch
+    # with other budgets, then next turns of the first ones (kept turns from the store, longer rows)
+    schedule = {0: [(PROMPTS[0], 6, 100), (PROMPTS[1], 9, 101), (PROMPTS[1], 4, 102), (PROMPTS[2], 12, 103)],
+                2: [(PROMPTS[3], 5, 104)], 3: [(PROMPTS[4], 7, 105), (PROMPTS[5], 3, 106)]}
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    first = _drive(decoder, schedule)
+    # rows joined while others decoded; the last request waited a step for room (6 rows at most)
+    assert decoder.admissions == 4 and decoder.prefix is not None
+    assert [rows for rows, _ in decoder.sizes[:5]] == [4, 4, 5, 5, 6]
+    worst = 0.0
+    expected = {}
+    for step_requests in schedule.values():
+        for prompt, max_tokens, seed in step_requests:
+            expected[seed] = _alone(engine, prompt, params, max_tokens, seed)
+    for seed, generation in first.items():
+        assert generation.token_ids == expected[seed].token_ids, seed
+        assert generation.finish_reason == expected[seed].finish_reason
+        worst = max(worst, max(abs(a - b) for a, b in zip(generation.logprobs, expected[seed].logprobs)))
+    assert worst < 1e-4
+
+    # next turns: each prompt extends a finished row (its keys come from the turn store)
+    engine.clear_cache()
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    turn0 = _drive(decoder, {0: [(PROMPTS[i], 5, 200 + i) for i in range(4)]})
+    reused = engine.turn_tokens_reused
+    later = {1: [], 4: []}
+    for i in range(4):
+        prompt = PROMPTS[i] + list(turn0[200 + i].token_ids) + OBSERVATION
+        later[1 if i % 2 else 4].append((prompt, 6, 300 + i))
+    later[0] = [(PROMPTS[5], 10, 310)]  # a fresh episode decoding while the others come back
+    second = _drive(decoder, later)
+    assert engine.turn_tokens_reused > reused  # the kept turns were used
+    for requests in later.values():
+        for prompt, max_tokens, seed in requests:
+            alone = _alone(engine, prompt, params, max_tokens, seed)
+            assert second[seed].token_ids == alone.token_ids
+            assert max(abs(a - b) for a, b in zip(second[seed].logprobs, alone.logprobs)) < 1e-4
+
+
+def test_a_prompt_without_the_batch_prefix_waits_for_the_batch_to_drain(tiny_model):
+    engine = _engine(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    stranger = random_ids(30, 77)  # shares nothing with SYSTEM
+    results = _drive(decoder, {0: [(PROMPTS[0], 6, 1), (PROMPTS[2], 6, 2)], 1: [(stranger, 5, 3), (PROMPTS[3], 4, 4)]})
+    assert decoder.admissions == 2  # the stranger (and the request behind it) started a new batch
+    second = next(i for i, (_, admissions) in enumerate(decoder.sizes) if admissions == 2)
+    assert second >= 6 and decoder.sizes[second - 1][0] == 0  # ... once the first had drained
+    for prompt, seed in ((PROMPTS[0], 1), (PROMPTS[2], 2), (stranger, 3), (PROMPTS[3], 4)):
+        assert results[seed].token_ids == _alone(engine, prompt, params, 6 if seed < 3 else (5 if seed == 3 else 4),
+                                                 seed).token_ids
+
+
+def test_cancelled_rows_leave_and_a_failing_forward_fails_only_the_batch(tiny_model):
+    engine = _engine(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    outcomes: dict[int, tuple] = {}
+
+    def done_for(key):
+        return lambda generation, error: outcomes.__setitem__(key, (generation, error))
+
+    decoder.submit(PROMPTS[0], 8, 1, done_for(1))
+    cancelled = decoder.submit(PROMPTS[1], 8, 2, done_for(2))
+    decoder.step()
+    cancelled.cancel()
+    decoder.step()
+    assert outcomes[2] == (None, None) and len(decoder.rows) == 1
+    real_forward = engine._forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    engine._forward = broken
+    decoder.step()
+    generation, error = outcomes[1]
+    assert generation is None and "injected fault" in str(error) and not decoder.rows
+    engine._forward = real_forward  # the decoder serves the next requests
+    decoder.submit(PROMPTS[2], 4, 3, done_for(3))
+    while 3 not in outcomes:
+        decoder.step()
+    assert outcomes[3][0].token_ids == _alone(engine, PROMPTS[2], params, 4, 3).token_ids
+
+
+# -- the rollout runner -----------------------------------------------------------------------------
+def _calculator_rollout(smollm2_like, batching: str, seed: int = 3, **config):
+    from tracegym.rollout import RolloutConfig, run_rollouts_sync
+
+    engine, renderer, tasks = smollm2_like
+    cfg = RolloutConfig(max_turns=3, max_tokens_per_turn=10, samples_per_task=2, temperature=1.0, seed=seed,
+                        concurrency=6, batching=batching, **config)
+    return run_rollouts_sync("calculator", tasks, engine, renderer, cfg, progress=False)
+
+
+@pytest.fixture
+def calculator_tiny(tiny_model):
+    from tracegym.envs import make
+    from tracegym.render import get_renderer
+
+    model, tokenizer = tiny_model
+    renderer = get_renderer("smollm2-135m", tokenizer)
+    engine = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, max_batch_size=6)
+    return engine, renderer, make("calculator").tasks("train", n=4, seed=0)
+
+
+def test_rollouts_with_continuous_batching_are_seeded_and_exact(calculator_tiny):
+    from tracegym.rollout import logprob_gap
+
+    engine = calculator_tiny[0]
+    result = _calculator_rollout(calculator_tiny, "continuous", measure_logprob_gap=True)
+    stats = result.stats
+    assert stats.kept == 8 and stats.failed == 0
+    assert stats.logprob_gap is not None and stats.logprob_gap.max < 1e-4
+    assert 1 <= stats.mean_batch_size <= 6 and stats.generate_calls >= 1
+    again = _calculator_rollout(calculator_tiny, "continuous")
+    assert [t.turns for t in again.trajectories] == [t.turns for t in result.trajectories]
+    other = _calculator_rollout(calculator_tiny, "continuous", seed=4)
+    assert [t.turns for t in other.trajectories] != [t.turns for t in result.trajectories]
+    # every turn is what the engine samples for that prompt alone, with the turn's seed
+    params = SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=tuple(calculator_tiny[1].stop_token_ids))
+    for index, traj in enumerate(result.trajectories):
+        for turn_index, turn in enumerate(traj.turns):
+            seed = ((3 * 1_000_003 + index) * 1_000_003 + turn_index) % 2**63
+            alone = _alone(engine, list(turn.prompt_ids), params, 10, seed)
+            assert alone.token_ids == turn.completion_ids
+    assert logprob_gap(engine.model, result.trajectories, 1.0, 1.0).max < 1e-4
+
+
+def test_a_failing_engine_fails_only_the_episodes_in_its_batch(calculator_tiny):
+    engine = calculator_tiny[0]
+    real_forward = engine._forward
+    calls = {"n": 0}
+
+    def sometimes_broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # a decode step of the first batch
+            raise RuntimeError("injected fault")
+        return real_forward(*args, **kwargs)
+
+    engine._forward = sometimes_broken
+    try:
+        result = _calculator_rollout(calculator_tiny, "continuous", on_env_error="zero_reward")
+    finally:
+        engine._forward = real_forward
+    stats = result.stats
+    # the six episodes of the first batch fail; the two that start afterwards play on
+    assert stats.episodes == 8 and stats.end_reasons.get("engine_error", 0) == 6 and stats.failed == 6
+    assert all("injected fault" in e for e in stats.errors)
+
+
+def test_per_turn_batching_runs_one_generate_call_per_turn(calculator_tiny):
+    engine = calculator_tiny[0]
+    calls = []
+    real_generate = engine.generate
+    engine.generate = lambda prompts, params, **kw: calls.append(len(prompts)) or real_generate(prompts, params, **kw)
+    try:
+        result = _calculator_rollout(calculator_tiny, "per_turn")
+    finally:
+        engine.generate = real_generate
+    assert result.stats.kept == 8 and result.stats.generate_calls == len(calls) >= 2
+    assert result.stats.mean_batch_size == pytest.approx(sum(calls) / len(calls))
+
+
+def test_episode_timeouts_drop_their_rows(calculator_tiny):
+    engine = calculator_tiny[0]
+    real_forward = engine._forward
+
+    def slow(*args, **kwargs):
+        import time
+
+        time.sleep(0.05)
+        return real_forward(*args, **kwargs)
+
+    engine._forward = slow
+    try:
+        result = _calculator_rollout(calculator_tiny, "continuous", episode_timeout_s=0.3, on_env_error="zero_reward")
+    finally:
+        engine._forward = real_forward
+    assert result.stats.episodes == 8 and result.stats.end_reasons.get("timeout", 0) >= 1

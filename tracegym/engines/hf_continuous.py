@@ -1,0 +1,563 @@
+"""Continuous batching for the rollout runner over the hf engine: rows join and leave one running batch.
+
+``HFEngine.generate`` decodes one call to its end. The rollout runner used to put every waiting
+episode into one call, so each turn waited for its slowest row, the batch shrank as rows finished,
+and an episode whose turn ended early sat idle until the call returned. Here one decode loop runs
+for the whole rollout (on a worker thread, ``ContinuousDecoder.run``):
+
+- an episode's request (``submit``: its prompt token ids, its token budget, its seed) waits in a
+  queue; at a step boundary the queued requests are *admitted* together: their prompts are
+  prefilled (the engine's turn store gives each episode's previous turn, so only the tool result and
+  the generation prompt are computed; identical prompts once) and their rows join the batch;
+- every decode step samples one token for every row (each row with its own generator, seeded per
+  request, so a row's tokens do not depend on which rows it shared the batch with), drops the rows
+  that finished (their keys and values go to the turn store for the episode's next turn, their
+  ``Generation`` back to the episode at once) and runs one forward pass over the rest.
+
+The cache (:class:`SlotKVCache`) keeps each row in a slot of preallocated buffers, its own tokens at
+columns ``0 .. len - 1`` (left-aligned). A decode step writes each row's new key at its own column,
+so rows of any lengths share a step and a joining row never moves the others (the per-call engine's
+layout right-aligns rows, which a joining longer row would shift). The attention reads the buffers'
+first ``max(len) + 1`` columns with a 4D mask ``column <= len_b`` per row; columns a row does not
+own are kept finite (zeros or old keys) so the masked-out products are exact zeros. Rows that leave
+are compacted into the lowest slots. The batch's shared prompt prefix (system prompt, tool schemas)
+is a ``SharedPrefix`` held once, as in the per-call engine: it is chosen when a batch starts (the
+queued prompts' common prefix), and a request that does not start with it waits until the batch
+has drained (the batch then starts again with a new prefix).
+
+Admission costs a prefill forward pass; admitting each request alone would add one per step. Queued
+requests are admitted when they are at least ``admit_fraction`` of the rows there would be, when the
+oldest has waited ``max_wait_steps`` decode steps, or when nothing is decoding.
+
+Determinism: which rows share a step changes the shapes of the matrix products, so only float
+rounding depends on the schedule (tokens and log-probs equal those of each request decoded alone
+with the same seed up to ~1e-5, tested). The schedule itself is made reproducible the way the
+per-turn batcher does it: at each step boundary after rows were delivered, the loop waits until
+every live episode is queued or decoding again (``settle_s`` at most), so with envs that answer
+within that time the same run admits the same requests at the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from tracegym.engines.hf import sampling_logprobs, validate_params
+from tracegym.engines.kv_buffers import KVBufferCache
+from tracegym.engines.shared_prefix import SharedPrefix, supports_shared_prefix
+from tracegym.types import FinishReason, Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from tracegym.engines.hf import HFEngine
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ContinuousDecoder", "SlotKVCache", "SlotKVLayer", "DecodeRequest"]
+
+DoneCallback = Callable[["Generation | None", "BaseException | None"], None]
+
+
+class SlotKVLayer(DynamicLayer):
+    """One layer of a :class:`SlotKVCache`: buffers ``[R, Hkv, C, D]``, row ``b`` in slot ``b`` with its
+    own tokens at columns ``0 .. lens[b] - 1``; ``keys`` / ``values`` are the views
+    ``buffer[:B, :, :length]`` (``length = max(lens)``)."""
+
+    plain_full_attention = True  # the engine's turn store may read it (HFEngine._plain_layers)
+
+    def __init__(self, owner: SlotKVCache):
+        super().__init__()
+        self.owner = owner
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, columns) the buffers hold."""
+        return (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[2])
+
+    def ensure(self, like: torch.Tensor, rows: int, cols: int) -> None:
+        """Buffers of at least ``rows`` x ``cols`` (``like``: ``[*, Hkv, *, D]``); growing keeps the
+        filled part. Columns grow by half at least, so decode reallocates rarely."""
+        have_rows, have_cols = self.capacity
+        if have_rows >= rows and have_cols >= cols:
+            return
+        new_rows = max(rows, have_rows)
+        new_cols = max(cols, have_cols + have_cols // 2 if have_cols < cols else have_cols)
+        new_cols = -(-new_cols // 64) * 64
+        fresh = []
+        for old in (self._k, self._v):
+            buffer = like.new_empty((new_rows, like.shape[-3], new_cols, like.shape[-1]))  # [R, Hkv, C, D]
+            if old is not None and self.owner.rows:
+                buffer[: self.owner.rows, :, : self.owner.length] = old[: self.owner.rows, :, : self.owner.length]
+            fresh.append(buffer)
+        self._k, self._v = fresh
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-slice ``keys`` / ``values`` after the rows or the length changed."""
+        if self._k is None or self._v is None:
+            return
+        self.keys = self._k[: self.owner.rows, :, : self.owner.length]  # [B, Hkv, length, D]
+        self.values = self._v[: self.owner.rows, :, : self.owner.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step: ``key_states`` / ``value_states`` ``[B, Hkv, 1, D]``, row ``b``'s written at
+        column ``lens[b]``; returns the views of the first ``length + 1`` columns."""
+        owner = self.owner
+        rows, length = owner.rows, owner.length
+        if key_states.shape[0] != rows or key_states.shape[2] != 1:
+            raise ValueError(f"a slot cache takes one new token per row ({rows} rows), got {tuple(key_states.shape)}")
+        self.ensure(key_states, rows, length + 1)
+        assert self._k is not None and self._v is not None
+        # column `length` becomes visible: zero it first for the rows that write elsewhere (finite, masked out)
+        self._k[:rows, :, length] = 0
+        self._v[:rows, :, length] = 0
+        self._k[owner.row_ids, :, owner.lens] = key_states[:, :, 0]  # [B, Hkv, D] at (b, :, lens[b])
+        self._v[owner.row_ids, :, owner.lens] = value_states[:, :, 0]
+        return self._k[:rows, :, : length + 1], self._v[:rows, :, : length + 1]
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def write_row(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Row ``slot``'s own positions (``[Hkv, n, D]`` each) at columns ``0 .. n - 1``."""
+        assert self._k is not None and self._v is not None
+        n = keys.shape[1]
+        self._k[slot, :, :n] = keys
+        self._v[slot, :, :n] = values
+
+    def zero(self, rows: slice | int, start: int, stop: int) -> None:
+        if self._k is not None and self._v is not None and stop > start:
+            self._k[rows, :, start:stop] = 0
+            self._v[rows, :, start:stop] = 0
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        assert self._k is not None and self._v is not None
+        self._k[target, :, :length] = self._k[source, :, :length]
+        self._v[target, :, :length] = self._v[source, :, :length]
+
+
+class SlotKVCache(DynamicCache):
+    """The running batch's cache (see the module docstring): ``rows`` rows, ``lens`` [B] own tokens
+    per row, ``length`` = max(lens). Invariant: columns ``0 .. length - 1`` of every row hold finite
+    values (its own keys, then zeros or keys it no longer attends to)."""
+
+    def __init__(self, config: Any, max_rows: int):
+        super().__init__(config=config)
+        bad = [type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer]
+        if bad:
+            raise ValueError(f"continuous batching needs full-attention cache layers; this model has {bad[0]}")
+        self.max_rows = max_rows
+        self.layers = [SlotKVLayer(self) for _ in self.layers]
+        self.layer_class_to_replicate = None
+        self.rows = 0
+        self.length = 0
+        self.lens = torch.zeros(0, dtype=torch.long)  # [B]
+        self.row_ids = torch.zeros(0, dtype=torch.long)  # [B]: arange(B), for the scatter in update
+
+    def _sync(self) -> None:
+        self.length = int(self.lens.max()) if self.rows else 0
+        self.row_ids = torch.arange(self.rows, device=self.lens.device)
+        for layer in self.layers:
+            layer.refresh()
+
+    def add_rows(self, sources: list[list[tuple[torch.Tensor, torch.Tensor]]], cols_needed: int) -> None:
+        """Append rows: ``sources[i][layer]`` = (keys, values) ``[Hkv, n_i, D]`` of new row i's own
+        positions. ``cols_needed``: columns the buffers should hold (own lengths + decode room)."""
+        if not sources:
+            return
+        rows = self.rows + len(sources)
+        lengths = [src[0][0].shape[1] for src in sources]
+        new_length = max([self.length, *lengths])
+        for layer_idx, layer in enumerate(self.layers):
+            like = sources[0][layer_idx][0]
+            layer.ensure(like[None], self.max_rows if layer.capacity[0] == 0 else rows, max(cols_needed, new_length))
+            if new_length > self.length:  # columns the running rows now expose
+                layer.zero(slice(0, self.rows), self.length, new_length)
+            for i, (src, n) in enumerate(zip(sources, lengths)):
+                keys, values = src[layer_idx]
+                layer.write_row(self.rows + i, keys, values)
+                layer.zero(self.rows + i, n, new_length)
+        self.lens = torch.cat([self.lens, torch.tensor(lengths, dtype=torch.long, device=self.lens.device)])
+        self.rows = rows
+        self._sync()
+
+    def keep(self, kept: list[int]) -> None:
+        """Keep rows ``kept`` (increasing), compacted into slots ``0 .. len(kept) - 1``."""
+        for target, source in enumerate(kept):
+            if source != target:
+                for layer in self.layers:
+                    layer.move_row(source, target, self.length)
+        self.lens = self.lens[torch.tensor(kept, dtype=torch.long)] if kept else self.lens[:0]
+        self.rows = len(kept)
+        self._sync()
+
+    def advance(self) -> None:
+        """After a decode step: every row holds one more token."""
+        self.lens = self.lens + 1
+        self.length += 1
+        for layer in self.layers:
+            layer.refresh()
+
+    def decode_mask(self) -> torch.Tensor:
+        """[B, 1, 1, length + 1] bool: row b attends to its columns ``0 .. lens[b]`` (the new token's included)."""
+        columns = torch.arange(self.length + 1, device=self.lens.device)
+        return (columns[None, :] <= self.lens[:, None])[:, None, None, :]
+
+    def filled_mask(self) -> torch.Tensor:
+        """[B, length] long: 1 where a row holds its own token (the engine's turn store reads it)."""
+        columns = torch.arange(self.length, device=self.lens.device)
+        return (columns[None, :] < self.lens[:, None]).long()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+@dataclass
+class DecodeRequest:
+    """One episode turn: ``prompt`` token ids, at most ``max_tokens`` new tokens, sampled with its own
+    generator (seeded with ``seed``; None: random). ``done(generation, error)`` is called once, on the
+    decoder's thread."""
+
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None
+    done: DoneCallback
+    cancelled: bool = False
+    waited: int = 0  # decode steps spent queued
+
+    def cancel(self) -> None:
+        """The episode stopped waiting (timeout): the row is dropped at the next step."""
+        self.cancelled = True
+
+
+@dataclass
+class _Row:
+    request: DecodeRequest
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class ContinuousDecoder:
+    """One running batch over ``engine``'s model for a whole rollout run (see the module docstring).
+
+    Thread-safe: ``submit``, ``episode_started``, ``episode_ended``, ``close``. ``run`` is the loop
+    (a worker thread); ``step`` one iteration of it (tests call it directly).
+    """
+
+    def __init__(self, engine: HFEngine, params: SamplingParams, *, settle_s: float = 0.05,
+                 admit_fraction: float = 0.25, max_wait_steps: int = 8):
+        validate_params(params)
+        if params.n != 1:
+            raise ValueError("continuous batching takes one row per request (n=1)")
+        if not 0.0 <= admit_fraction <= 1.0:
+            raise ValueError(f"admit_fraction must be in [0, 1], got {admit_fraction}")
+        self.engine = engine
+        self.params = params
+        self.settle_s = settle_s
+        self.admit_fraction = admit_fraction
+        self.max_wait_steps = max_wait_steps
+        self.stop_ids = set(engine.stop_token_ids) | set(params.stop_token_ids)
+        self._cond = threading.Condition()
+        self._queue: list[DecodeRequest] = []
+        self._live = 0  # episodes started and not ended
+        self._closed = False
+        self._settle_until = 0.0
+        # the running batch
+        self.rows: list[_Row] = []
+        self.cache: SlotKVCache | None = None
+        self.prefix: SharedPrefix | None = None
+        self.logits: torch.Tensor | None = None  # [B, V] each row's next-token logits
+        self.positions = torch.zeros(0, dtype=torch.long)  # [B] each row's next position
+        # counters (stats, benchmarks and tests read them)
+        self.admissions = 0  # prefill passes that admitted rows
+        self.admitted_rows = 0
+        self.decode_steps = 0
+        self.row_steps = 0  # sum over decode steps of the rows decoded
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+
+    # -- the episodes' side (any thread) --------------------------------------------------------------
+    def submit(self, prompt: list[int], max_tokens: int, seed: int | None, done: DoneCallback) -> DecodeRequest:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        request = DecodeRequest([int(t) for t in prompt], int(max_tokens), seed, done)
+        with self._cond:
+            if not self._queue and not self.rows:
+                self._settle_until = time.monotonic() + self.settle_s  # gather the first requests
+            self._queue.append(request)
+            self._cond.notify_all()
+        return request
+
+    def episode_started(self) -> None:
+        with self._cond:
+            self._live += 1
+
+    def episode_ended(self) -> None:
+        with self._cond:
+            self._live -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Rows per decode step, averaged over the run."""
+        return self.row_steps / self.decode_steps if self.decode_steps else 0.0
+
+    # -- the loop (the decoder's thread) --------------------------------------------------------------
+    def run(self) -> None:
+        """Step until ``close``; requests still queued or decoding then end with an error."""
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._queue and not self.rows:
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                self.step()
+        finally:
+            self._fail_all(RuntimeError("the rollout ended before this request was served"))
+            self.engine.model.train(was_training)
+
+    def step(self) -> None:
+        """Admit what is due, then sample one token per row, deliver finished rows and run one forward."""
+        self._settle()
+        try:
+            with torch.inference_mode():
+                self._admit()
+                if self.rows:
+                    self._decode()
+        except Exception as exc:  # noqa: BLE001 - the episodes in the batch fail, the run goes on
+            log.error("continuous decoding failed for a batch of %d rows: %s", len(self.rows), exc)
+            self._fail_batch(exc)
+
+    def _settle(self) -> None:
+        """Wait (until the settle deadline) for every live episode to be queued or decoding: the
+        admission that follows is then the same in every run whose envs answer in time."""
+        with self._cond:
+            while (not self._closed and self._live > len(self._queue) + len(self.rows)
+                   and time.monotonic() < self._settle_until):
+                self._cond.wait(timeout=max(self._settle_until - time.monotonic(), 0.0))
+
+    def _admit(self) -> None:
+        with self._cond:
+            self._queue = [r for r in self._queue if not self._dropped(r)]
+            queue = self._queue
+            if not queue:
+                return
+            room = self.engine.max_batch_size - len(self.rows)
+            if room <= 0:
+                return
+            if self.rows:
+                due = (len(queue) >= self.admit_fraction * (len(self.rows) + len(queue))
+                       or queue[0].waited >= self.max_wait_steps)
+                if not due:
+                    return
+                # a request that does not start with the batch's shared prefix waits for the batch to drain,
+                # and so do the ones queued after it (first come, first served)
+                chosen = []
+                for request in queue[:room]:
+                    if not self._fits_prefix(request.prompt):
+                        break
+                    chosen.append(request)
+            else:
+                self.prefix = None  # a new batch: its own shared prefix
+                chosen = queue[:room]
+            if not chosen:
+                return
+            taken = set(map(id, chosen))
+            self._queue = [r for r in queue if id(r) not in taken]
+        t0 = time.perf_counter()
+        try:
+            self._prefill(chosen)
+        except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is intact
+            log.error("continuous decoding: admitting %d requests failed: %s", len(chosen), exc)
+            for request in chosen:
+                self._deliver(request, None, exc)
+        self.prefill_s += time.perf_counter() - t0
+
+    def _fits_prefix(self, prompt: list[int]) -> bool:
+        if self.prefix is None:
+            return True
+        n = len(self.prefix)
+        return len(prompt) > n and tuple(prompt[:n]) == self.prefix.tokens
+
+    def _prefill(self, requests: list[DecodeRequest]) -> None:
+        """Prefill ``requests``' prompts (identical ones once) and add their rows to the batch."""
+        engine = self.engine
+        first_seen: dict[tuple[int, ...], int] = {}
+        source = [first_seen.setdefault(tuple(r.prompt), len(first_seen)) for r in requests]
+        distinct = [list(p) for p in first_seen]
+        config = getattr(engine.model, "config", None)
+        tmp = KVBufferCache(config)
+        hits = engine._take_turns(distinct, tmp)
+        computed_before = engine.prefill_tokens
+        new_share = 0
+        if not self.rows and engine.prefix_cache and engine.share_prefix_kv and supports_shared_prefix(engine.model):
+            new_share = engine._shared_prefix_len(distinct, tmp, repeated=len(distinct) < len(requests))
+        if self.rows and self.prefix is not None:
+            # the running batch's prefix: each row's kept turn after it, then its new tokens
+            share = len(self.prefix)
+            own = engine._load_turns(hits, share, tmp)
+            suffixes = [p[share + o:] for p, o in zip(distinct, own)]
+            logits, mask, next_pos = engine._prefill_suffixes(
+                suffixes, engine._right_aligned_mask(own), [share + o for o in own], tmp, None, self.prefix)
+            engine.turn_tokens_reused += sum(own)
+            engine.prefill_tokens += sum(len(s) for s in suffixes)
+        elif new_share:
+            # a new batch: its common prefix once (from the turn store when an episode's kept turn covers it)
+            logits, mask, next_pos, self.prefix, computed = engine._prefill_shared(distinct, hits, new_share, tmp)
+            engine.prefill_tokens += computed
+        elif any(hit is not None for hit in hits):  # no shared prefix: whole rows, kept turns first
+            reused = sum(len(hit.tokens) for hit in hits if hit is not None)
+            engine.turn_tokens_reused += reused
+            engine.prefill_tokens += sum(len(p) for p in distinct) - reused
+            logits, mask, next_pos = engine._prefill_after_turns(distinct, hits, tmp)
+        else:  # whole rows (a common prefix computed once, then copied into each row)
+            share = engine._shared_prefix_len(distinct, tmp) if engine.prefix_cache else 0
+            engine.prefill_tokens += share + sum(len(p) - share for p in distinct)
+            logits, mask, next_pos = engine._prefill_rows(distinct, tmp, share)
+        engine.prefix_tokens_reused += sum(len(r.prompt) for r in requests) - (engine.prefill_tokens - computed_before)
+        share = 0 if self.prefix is None else len(self.prefix)
+        # each distinct prompt's own positions (after the prefix), per layer [Hkv, n, D]
+        own_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for i, prompt in enumerate(distinct):
+            where = mask[i].nonzero().flatten()
+            if where.numel() != len(prompt) - share:
+                raise RuntimeError(f"admitted row holds {where.numel()} positions for {len(prompt) - share} tokens")
+            own_kv.append([(layer.keys[i].index_select(1, where), layer.values[i].index_select(1, where))
+                           for layer in tmp.layers])
+        del tmp
+        if self.cache is None or not self.rows:
+            self.cache = SlotKVCache(config, engine.max_batch_size)
+        longest = max(len(r.prompt) - share + r.max_tokens for r in requests)
+        self.cache.add_rows([own_kv[s] for s in source], longest)
+        index = torch.tensor(source, dtype=torch.long)
+        self.logits = logits[index] if self.logits is None or not self.rows else torch.cat([self.logits, logits[index]])
+        self.positions = torch.cat([self.positions[: len(self.rows)], next_pos[index, 0].cpu()])
+        for request in requests:
+            generator = torch.Generator(device="cpu")
+            if request.seed is not None:
+                generator.manual_seed(int(request.seed))
+            else:
+                generator.seed()
+            self.rows.append(_Row(request, generator))
+        self.admissions += 1
+        self.admitted_rows += len(requests)
+
+    def _decode(self) -> None:
+        """Sample every row's next token, deliver finished rows, one forward pass for the rest."""
+        engine, params = self.engine, self.params
+        assert self.logits is not None and self.cache is not None
+        t0 = time.perf_counter()
+        lp_all = sampling_logprobs(self.logits, params.temperature, params.top_p)  # [B, V]
+        if params.temperature <= 0.0:
+            chosen = torch.argmax(self.logits, dim=-1)  # [B]
+        else:
+            probs = lp_all.exp().cpu()
+            # one generator per row: a row's draws do not depend on the others in the batch
+            chosen = torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=row.generator)[0]
+                                for b, row in enumerate(self.rows)]).to(self.logits.device)
+        chosen_lp = lp_all.gather(-1, chosen[:, None]).squeeze(-1)  # [B]
+        keep: list[int] = []
+        finished: list[tuple[int, FinishReason]] = []
+        for b, (row, tok, lp) in enumerate(zip(self.rows, chosen.tolist(), chosen_lp.tolist())):
+            if row.request.cancelled:
+                finished.append((b, "abort"))
+                continue
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            if tok in self.stop_ids or (params.stop and engine._hits_stop_string(row.tokens, params.stop)):
+                finished.append((b, "stop"))
+            elif len(row.tokens) >= row.request.max_tokens:
+                finished.append((b, "length"))
+            else:
+                keep.append(b)
+        if finished:
+            done = [(b, reason) for b, reason in finished if reason != "abort"]
+            if engine.turn_cache_bytes and done:
+                engine._remember(self.cache, self.cache.filled_mask(),
+                                 [(b, self.rows[b].request.prompt + self.rows[b].tokens[:-1]) for b, _ in done],
+                                 None, self.prefix)
+            for b, reason in finished:
+                row = self.rows[b]
+                generation = None if reason == "abort" else engine._make_generation(row.tokens, row.logprobs, reason)
+                self._deliver(row.request, generation, None)
+            with self._cond:
+                self._settle_until = time.monotonic() + self.settle_s
+        if len(keep) < len(self.rows):
+            self.cache.keep(keep)
+            index = torch.tensor(keep, dtype=torch.long)
+            self.rows = [self.rows[b] for b in keep]
+            self.positions = self.positions[index]
+            chosen = chosen[index.to(chosen.device)]
+        if self.rows:
+            device = engine.device
+            self.logits = engine._forward(
+                None, self.prefix, input_ids=chosen[:, None], attention_mask=self.cache.decode_mask().to(device),
+                position_ids=self.positions[:, None].to(device), cache=self.cache,
+            )
+            self.cache.advance()
+            self.positions = self.positions + 1
+            self.decode_steps += 1
+            self.row_steps += len(self.rows)
+        else:
+            self.logits = None
+        with self._cond:
+            for request in self._queue:
+                request.waited += 1
+        self.decode_s += time.perf_counter() - t0
+
+    # -- delivery and failure -------------------------------------------------------------------
+    @staticmethod
+    def _dropped(request: DecodeRequest) -> bool:
+        if request.cancelled:
+            request.done(None, None)
+        return request.cancelled
+
+    def _deliver(self, request: DecodeRequest, generation: Generation | None, error: BaseException | None) -> None:
+        try:
+            request.done(generation, error)
+        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the batch
+            log.exception("continuous decoding: a done callback failed")
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        rows, self.rows = self.rows, []
+        self.cache, self.logits, self.prefix = None, None, None
+        self.positions = self.positions[:0]
+        for row in rows:
+            self._deliver(row.request, None, exc)
+        with self._cond:
+            self._settle_until = time.monotonic() + self.settle_s
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fail_batch(exc)
+        with self._cond:
+            queue, self._queue = self._queue, []
+        for request in queue:
+            self._deliver(request, None, exc)
