@@ -69,13 +69,17 @@ def test_slot_cache_rows_of_any_length_join_write_and_leave():
     decode_mask = cache.decode_mask()
     assert decode_mask.shape == (3, 1, 1, cache.length + 1) and decode_mask.sum(-1).flatten().tolist() == [
         n + 1 for n in cache.lens.tolist()]
-    cache.keep([1, 2])  # the first row leaves: the others move down a slot
-    del reference[0]
+    order = cache.keep([1, 2])  # the first row leaves: the last row moves into its slot, the other stays
+    assert order == [2, 1]
+    reference = [reference[i] for i in order]
     check()
     assert cache.length == max(cache.lens.tolist())
-    cache.keep([1])  # the longest row stays, alone
-    del reference[0]
+    longest = max(range(2), key=lambda i: reference[i][0][0].shape[1])
+    assert cache.keep([longest]) == [longest]  # the longest row stays, alone
+    reference = [reference[longest]]
     check()
+    shortest_left = cache.keep([])
+    assert shortest_left == [] and cache.rows == 0 and cache.length == 0
 
 
 # -- the decoder against each request alone ---------------------------------------------------------
@@ -102,7 +106,7 @@ def _drive(decoder: ContinuousDecoder, schedule: dict[int, list[tuple[list[int],
         return done
 
     step = 0
-    while step <= max(schedule) or decoder.rows or decoder._queue:
+    while step <= max(schedule) or decoder.rows or decoder.queue:
         for prompt, max_tokens, seed in schedule.get(step, []):
             decoder.submit(prompt, max_tokens, seed, done_for(seed))
         decoder.step()
@@ -297,3 +301,25 @@ def test_episode_timeouts_drop_their_rows(calculator_tiny):
     finally:
         engine._forward = real_forward
     assert result.stats.episodes == 8 and result.stats.end_reasons.get("timeout", 0) >= 1
+
+
+def test_admission_passes_minimise_padding_plus_pass_cost():
+    import itertools
+
+    from tracegym.engines.hf_continuous import PASS_COST_TOKENS, _length_buckets
+
+    def cost(buckets, lengths):
+        return sum(PASS_COST_TOKENS + len(b) * max(lengths[i] for i in b) for b in buckets)
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        lengths = torch.randint(1, 120, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+        buckets = _length_buckets(lengths)
+        assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+        # brute force over every partition of the sorted rows into consecutive runs
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], lengths)
+                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(buckets, lengths) == best
+    assert _length_buckets([30] * 6) == [list(range(6))]  # equal lengths: one pass
+    assert len(_length_buckets([200, 200, 10, 10, 10, 10])) == 2  # long and short rows apart

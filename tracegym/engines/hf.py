@@ -326,8 +326,8 @@ class HFEngine(Engine):
     def continuous_decoder(self, params: SamplingParams, **options: Any) -> Any:
         """A ``ContinuousDecoder`` (``tracegym.engines.hf_continuous``) over this engine's model: one
         running batch that requests join and leave, for the rollout runner (``options``: its
-        ``settle_s``, ``admit_fraction``, ``max_wait_steps``). Sampled with ``params`` (temperature,
-        top-p, stops); each request brings its own budget and seed."""
+        ``admit_fraction``, ``max_wait_steps``). Sampled with ``params`` (temperature, top-p,
+        stops); each request brings its own budget and seed."""
         from tracegym.engines.hf_continuous import ContinuousDecoder
 
         return ContinuousDecoder(self, params, **options)

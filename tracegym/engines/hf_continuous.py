@@ -2,8 +2,8 @@
 
 ``HFEngine.generate`` decodes one call to its end. The rollout runner used to put every waiting
 episode into one call, so each turn waited for its slowest row, the batch shrank as rows finished,
-and an episode whose turn ended early sat idle until the call returned. Here one decode loop runs
-for the whole rollout (on a worker thread, ``ContinuousDecoder.run``):
+and an episode whose turn ended early sat idle until the call returned. Here one running batch
+lives for the whole rollout (``ContinuousDecoder``; the runner calls its ``step`` between env steps):
 
 - an episode's request (``submit``: its prompt token ids, its token budget, its seed) waits in a
   queue; at a step boundary the queued requests are *admitted* together: their prompts are
@@ -20,7 +20,7 @@ so rows of any lengths share a step and a joining row never moves the others (th
 layout right-aligns rows, which a joining longer row would shift). The attention reads the buffers'
 first ``max(len) + 1`` columns with a 4D mask ``column <= len_b`` per row; columns a row does not
 own are kept finite (zeros or old keys) so the masked-out products are exact zeros. Rows that leave
-are compacted into the lowest slots. The batch's shared prompt prefix (system prompt, tool schemas)
+move into the freed slots (the kept rows in the lowest ones stay put). The batch's shared prompt prefix (system prompt, tool schemas)
 is a ``SharedPrefix`` held once, as in the per-call engine: it is chosen when a batch starts (the
 queued prompts' common prefix), and a request that does not start with it waits until the batch
 has drained (the batch then starts again with a new prefix).
@@ -31,16 +31,15 @@ oldest has waited ``max_wait_steps`` decode steps, or when nothing is decoding.
 
 Determinism: which rows share a step changes the shapes of the matrix products, so only float
 rounding depends on the schedule (tokens and log-probs equal those of each request decoded alone
-with the same seed up to ~1e-5, tested). The schedule itself is made reproducible the way the
-per-turn batcher does it: at each step boundary after rows were delivered, the loop waits until
-every live episode is queued or decoding again (``settle_s`` at most), so with envs that answer
-within that time the same run admits the same requests at the same steps.
+with the same seed up to ~1e-5, tested). The rollout runner makes the schedule reproducible: after
+rows were delivered it lets every live episode queue its next turn (or end) before the next step,
+waiting at most ``batch_wait_s`` (``tracegym.rollout``), so with envs that answer within that time
+the same run admits the same requests at the same steps.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -199,15 +198,23 @@ class SlotKVCache(DynamicCache):
         self.rows = rows
         self._sync()
 
-    def keep(self, kept: list[int]) -> None:
-        """Keep rows ``kept`` (increasing), compacted into slots ``0 .. len(kept) - 1``."""
-        for target, source in enumerate(kept):
-            if source != target:
-                for layer in self.layers:
-                    layer.move_row(source, target, self.length)
-        self.lens = self.lens[torch.tensor(kept, dtype=torch.long)] if kept else self.lens[:0]
-        self.rows = len(kept)
+    def keep(self, kept: list[int]) -> list[int]:
+        """Keep rows ``kept`` (increasing) in slots ``0 .. len(kept) - 1``: a kept row already there
+        stays, the others move into the freed slots (at most one copy per row that left). Returns
+        the new order: entry ``i`` is the old slot of the row now in slot ``i``."""
+        size = len(kept)
+        staying = [row for row in kept if row < size]
+        holes = sorted(set(range(size)) - set(staying))
+        movers = [row for row in kept if row >= size]
+        order = list(range(size))
+        for target, source in zip(holes, movers):
+            for layer in self.layers:
+                layer.move_row(source, target, self.length)
+            order[target] = source
+        self.lens = self.lens[torch.tensor(order, dtype=torch.long)] if order else self.lens[:0]
+        self.rows = size
         self._sync()
+        return order
 
     def advance(self) -> None:
         """After a decode step: every row holds one more token."""
@@ -228,6 +235,36 @@ class SlotKVCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+
+PASS_COST_TOKENS = 32
+"""What one more forward pass costs, in padded tokens: measured on 2 CPU cores with SmolLM2, a pass
+takes about 0.08 s plus 2.3 ms per padded token, so a pass is worth about 35 tokens of padding."""
+
+
+def _length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` (new tokens per prompt) cut into forward passes of similar lengths.
+
+    One pass pads every row to the longest (39% of a first turn's computed tokens were padding,
+    measured); a pass per row pays the fixed cost many times. Rows sorted longest first, the
+    partition into consecutive runs minimises ``sum(PASS_COST_TOKENS + rows * longest)`` (an exact
+    dynamic program, O(n^2) for n rows)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    sorted_lengths = [lengths[i] for i in order]
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[i]: cost of the first i rows
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):  # the last pass holds sorted rows j .. i-1, padded to row j's length
+            cost = best[j] + PASS_COST_TOKENS + (i - j) * sorted_lengths[j]
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    buckets: list[list[int]] = []
+    i = n
+    while i > 0:
+        buckets.append(order[cut[i]:i])
+        i = cut[i]
+    return buckets[::-1]
 
 
 @dataclass
@@ -259,12 +296,16 @@ class _Row:
 class ContinuousDecoder:
     """One running batch over ``engine``'s model for a whole rollout run (see the module docstring).
 
-    Thread-safe: ``submit``, ``episode_started``, ``episode_ended``, ``close``. ``run`` is the loop
-    (a worker thread); ``step`` one iteration of it (tests call it directly).
+    Synchronous and single-threaded: ``submit`` queues a request, ``step`` admits what is due and
+    decodes one token for every row; ``done`` callbacks run inside ``step``. The rollout runner
+    calls ``step`` from its event loop, between the episodes' env steps (``tracegym.rollout``):
+    the model runs on the thread that loaded it (measured on 2 CPU cores: a decode step of SmolLM2
+    at 19 rows took 0.14 s on the main thread and 0.20 s on a worker thread, whose OpenMP team
+    competes with the idle main team).
     """
 
-    def __init__(self, engine: HFEngine, params: SamplingParams, *, settle_s: float = 0.05,
-                 admit_fraction: float = 0.25, max_wait_steps: int = 8):
+    def __init__(self, engine: HFEngine, params: SamplingParams, *, admit_fraction: float = 0.25,
+                 max_wait_steps: int = 8):
         validate_params(params)
         if params.n != 1:
             raise ValueError("continuous batching takes one row per request (n=1)")
@@ -272,15 +313,10 @@ class ContinuousDecoder:
             raise ValueError(f"admit_fraction must be in [0, 1], got {admit_fraction}")
         self.engine = engine
         self.params = params
-        self.settle_s = settle_s
         self.admit_fraction = admit_fraction
         self.max_wait_steps = max_wait_steps
         self.stop_ids = set(engine.stop_token_ids) | set(params.stop_token_ids)
-        self._cond = threading.Condition()
-        self._queue: list[DecodeRequest] = []
-        self._live = 0  # episodes started and not ended
-        self._closed = False
-        self._settle_until = 0.0
+        self.queue: list[DecodeRequest] = []
         # the running batch
         self.rows: list[_Row] = []
         self.cache: SlotKVCache | None = None
@@ -292,61 +328,36 @@ class ContinuousDecoder:
         self.admitted_rows = 0
         self.decode_steps = 0
         self.row_steps = 0  # sum over decode steps of the rows decoded
-        self.prefill_s = 0.0
-        self.decode_s = 0.0
+        self.delivered = 0  # requests answered (a generation or an error)
+        self.prefill_s = 0.0  # admissions (prefill passes and copies into the slots)
+        self.decode_s = 0.0  # sampling, delivery, compaction and the decode forward passes
+        self.forward_s = 0.0  # of which the decode forward passes
 
-    # -- the episodes' side (any thread) --------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int, seed: int | None, done: DoneCallback) -> DecodeRequest:
+        """Queue one request; it joins the batch at a later ``step``."""
         if not prompt:
             raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         request = DecodeRequest([int(t) for t in prompt], int(max_tokens), seed, done)
-        with self._cond:
-            if not self._queue and not self.rows:
-                self._settle_until = time.monotonic() + self.settle_s  # gather the first requests
-            self._queue.append(request)
-            self._cond.notify_all()
+        self.queue.append(request)
         return request
 
-    def episode_started(self) -> None:
-        with self._cond:
-            self._live += 1
-
-    def episode_ended(self) -> None:
-        with self._cond:
-            self._live -= 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+    @property
+    def busy(self) -> bool:
+        """Rows decoding or requests queued."""
+        return bool(self.rows or self.queue)
 
     @property
     def mean_batch_size(self) -> float:
         """Rows per decode step, averaged over the run."""
         return self.row_steps / self.decode_steps if self.decode_steps else 0.0
 
-    # -- the loop (the decoder's thread) --------------------------------------------------------------
-    def run(self) -> None:
-        """Step until ``close``; requests still queued or decoding then end with an error."""
+    def step(self) -> None:
+        """Admit what is due, then sample one token per row, deliver finished rows and run one forward."""
         model = self.engine.model
         was_training = model.training
         model.eval()
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and not self._queue and not self.rows:
-                        self._cond.wait()
-                    if self._closed:
-                        break
-                self.step()
-        finally:
-            self._fail_all(RuntimeError("the rollout ended before this request was served"))
-            self.engine.model.train(was_training)
-
-    def step(self) -> None:
-        """Admit what is due, then sample one token per row, deliver finished rows and run one forward."""
-        self._settle()
         try:
             with torch.inference_mode():
                 self._admit()
@@ -355,43 +366,38 @@ class ContinuousDecoder:
         except Exception as exc:  # noqa: BLE001 - the episodes in the batch fail, the run goes on
             log.error("continuous decoding failed for a batch of %d rows: %s", len(self.rows), exc)
             self._fail_batch(exc)
+        finally:
+            if was_training:
+                model.train()
 
-    def _settle(self) -> None:
-        """Wait (until the settle deadline) for every live episode to be queued or decoding: the
-        admission that follows is then the same in every run whose envs answer in time."""
-        with self._cond:
-            while (not self._closed and self._live > len(self._queue) + len(self.rows)
-                   and time.monotonic() < self._settle_until):
-                self._cond.wait(timeout=max(self._settle_until - time.monotonic(), 0.0))
+    def close(self, error: BaseException | None = None) -> None:
+        """End every request still queued or decoding with ``error`` (the run is over)."""
+        self.fail_all(error or RuntimeError("the rollout ended before this request was served"))
 
     def _admit(self) -> None:
-        with self._cond:
-            self._queue = [r for r in self._queue if not self._dropped(r)]
-            queue = self._queue
-            if not queue:
+        self.queue = [r for r in self.queue if not self._dropped(r)]
+        queue = self.queue
+        room = self.engine.max_batch_size - len(self.rows)
+        if not queue or room <= 0:
+            return
+        if self.rows:
+            due = (len(queue) >= self.admit_fraction * (len(self.rows) + len(queue))
+                   or queue[0].waited >= self.max_wait_steps)
+            if not due:
                 return
-            room = self.engine.max_batch_size - len(self.rows)
-            if room <= 0:
-                return
-            if self.rows:
-                due = (len(queue) >= self.admit_fraction * (len(self.rows) + len(queue))
-                       or queue[0].waited >= self.max_wait_steps)
-                if not due:
-                    return
-                # a request that does not start with the batch's shared prefix waits for the batch to drain,
-                # and so do the ones queued after it (first come, first served)
-                chosen = []
-                for request in queue[:room]:
-                    if not self._fits_prefix(request.prompt):
-                        break
-                    chosen.append(request)
-            else:
-                self.prefix = None  # a new batch: its own shared prefix
-                chosen = queue[:room]
-            if not chosen:
-                return
-            taken = set(map(id, chosen))
-            self._queue = [r for r in queue if id(r) not in taken]
+            # a request that does not start with the batch's shared prefix waits for the batch to drain,
+            # and so do the ones queued after it (first come, first served)
+            chosen = []
+            for request in queue[:room]:
+                if not self._fits_prefix(request.prompt):
+                    break
+                chosen.append(request)
+        else:
+            self.prefix = None  # a new batch: its own shared prefix
+            chosen = queue[:room]
+        if not chosen:
+            return
+        self.queue = queue[len(chosen):]
         t0 = time.perf_counter()
         try:
             self._prefill(chosen)
@@ -414,52 +420,61 @@ class ContinuousDecoder:
         source = [first_seen.setdefault(tuple(r.prompt), len(first_seen)) for r in requests]
         distinct = [list(p) for p in first_seen]
         config = getattr(engine.model, "config", None)
-        tmp = KVBufferCache(config)
-        hits = engine._take_turns(distinct, tmp)
+        probe = KVBufferCache(config)  # the engine's helpers check its layer types
+        hits = engine._take_turns(distinct, probe)
         computed_before = engine.prefill_tokens
-        new_share = 0
         if not self.rows and engine.prefix_cache and engine.share_prefix_kv and supports_shared_prefix(engine.model):
-            new_share = engine._shared_prefix_len(distinct, tmp, repeated=len(distinct) < len(requests))
-        if self.rows and self.prefix is not None:
-            # the running batch's prefix: each row's kept turn after it, then its new tokens
-            share = len(self.prefix)
-            own = engine._load_turns(hits, share, tmp)
-            suffixes = [p[share + o:] for p, o in zip(distinct, own)]
-            logits, mask, next_pos = engine._prefill_suffixes(
-                suffixes, engine._right_aligned_mask(own), [share + o for o in own], tmp, None, self.prefix)
-            engine.turn_tokens_reused += sum(own)
-            engine.prefill_tokens += sum(len(s) for s in suffixes)
-        elif new_share:
             # a new batch: its common prefix once (from the turn store when an episode's kept turn covers it)
-            logits, mask, next_pos, self.prefix, computed = engine._prefill_shared(distinct, hits, new_share, tmp)
-            engine.prefill_tokens += computed
-        elif any(hit is not None for hit in hits):  # no shared prefix: whole rows, kept turns first
-            reused = sum(len(hit.tokens) for hit in hits if hit is not None)
-            engine.turn_tokens_reused += reused
-            engine.prefill_tokens += sum(len(p) for p in distinct) - reused
-            logits, mask, next_pos = engine._prefill_after_turns(distinct, hits, tmp)
-        else:  # whole rows (a common prefix computed once, then copied into each row)
-            share = engine._shared_prefix_len(distinct, tmp) if engine.prefix_cache else 0
-            engine.prefill_tokens += share + sum(len(p) - share for p in distinct)
-            logits, mask, next_pos = engine._prefill_rows(distinct, tmp, share)
-        engine.prefix_tokens_reused += sum(len(r.prompt) for r in requests) - (engine.prefill_tokens - computed_before)
+            share = engine._shared_prefix_len(distinct, probe, repeated=len(distinct) < len(requests))
+            if share:
+                self.prefix, from_store = engine._build_prefix(distinct[0][:share], hits)
+                engine.prefill_tokens += share - from_store
+                engine.turn_tokens_reused += from_store * len(distinct)
         share = 0 if self.prefix is None else len(self.prefix)
-        # each distinct prompt's own positions (after the prefix), per layer [Hkv, n, D]
-        own_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for i, prompt in enumerate(distinct):
-            where = mask[i].nonzero().flatten()
-            if where.numel() != len(prompt) - share:
-                raise RuntimeError(f"admitted row holds {where.numel()} positions for {len(prompt) - share} tokens")
-            own_kv.append([(layer.keys[i].index_select(1, where), layer.values[i].index_select(1, where))
-                           for layer in tmp.layers])
-        del tmp
+        # the tokens each prompt computes: after the prefix and what the turn store holds of it
+        kept = [0 if hit is None else max(len(hit.tokens) - share, 0) for hit in hits]
+        new = [len(p) - share - k for p, k in zip(distinct, kept)]
+        logits = torch.empty(0)
+        next_pos = torch.zeros(len(distinct), dtype=torch.long)
+        own_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in distinct]
+        for bucket in _length_buckets(new):
+            prompts, bucket_hits = [distinct[i] for i in bucket], [hits[i] for i in bucket]
+            tmp = KVBufferCache(config)
+            if share:  # each row's kept turn after the prefix, then its new tokens, attending to the prefix
+                own = engine._load_turns(bucket_hits, share, tmp)
+                suffixes = [p[share + o:] for p, o in zip(prompts, own)]
+                part_logits, mask, part_pos = engine._prefill_suffixes(
+                    suffixes, engine._right_aligned_mask(own), [share + o for o in own], tmp, None, self.prefix)
+                engine.turn_tokens_reused += sum(own)
+                engine.prefill_tokens += sum(len(s) for s in suffixes)
+            elif any(hit is not None for hit in bucket_hits):  # no shared prefix: whole rows, kept turns first
+                reused = sum(len(hit.tokens) for hit in bucket_hits if hit is not None)
+                engine.turn_tokens_reused += reused
+                engine.prefill_tokens += sum(len(p) for p in prompts) - reused
+                part_logits, mask, part_pos = engine._prefill_after_turns(prompts, bucket_hits, tmp)
+            else:  # whole rows (a common prefix computed once, then copied into each row)
+                common = engine._shared_prefix_len(prompts, tmp) if engine.prefix_cache else 0
+                engine.prefill_tokens += common + sum(len(p) - common for p in prompts)
+                part_logits, mask, part_pos = engine._prefill_rows(prompts, tmp, common)
+            if not logits.numel():
+                logits = part_logits.new_empty((len(distinct), part_logits.shape[-1]))
+            for b, i in enumerate(bucket):
+                logits[i], next_pos[i] = part_logits[b], int(part_pos[b, 0])
+                # the row's own positions (after the prefix), per layer [Hkv, n, D]
+                where = mask[b].nonzero().flatten()
+                if where.numel() != len(distinct[i]) - share:
+                    raise RuntimeError(f"admitted row holds {where.numel()} positions for {len(distinct[i]) - share} tokens")
+                own_kv[i] = [(layer.keys[b].index_select(1, where), layer.values[b].index_select(1, where))
+                             for layer in tmp.layers]
+            del tmp
+        engine.prefix_tokens_reused += sum(len(r.prompt) for r in requests) - (engine.prefill_tokens - computed_before)
         if self.cache is None or not self.rows:
             self.cache = SlotKVCache(config, engine.max_batch_size)
         longest = max(len(r.prompt) - share + r.max_tokens for r in requests)
         self.cache.add_rows([own_kv[s] for s in source], longest)
         index = torch.tensor(source, dtype=torch.long)
         self.logits = logits[index] if self.logits is None or not self.rows else torch.cat([self.logits, logits[index]])
-        self.positions = torch.cat([self.positions[: len(self.rows)], next_pos[index, 0].cpu()])
+        self.positions = torch.cat([self.positions[: len(self.rows)], next_pos[index]])
         for request in requests:
             generator = torch.Generator(device="cpu")
             if request.seed is not None:
@@ -508,39 +523,38 @@ class ContinuousDecoder:
                 row = self.rows[b]
                 generation = None if reason == "abort" else engine._make_generation(row.tokens, row.logprobs, reason)
                 self._deliver(row.request, generation, None)
-            with self._cond:
-                self._settle_until = time.monotonic() + self.settle_s
         if len(keep) < len(self.rows):
-            self.cache.keep(keep)
-            index = torch.tensor(keep, dtype=torch.long)
-            self.rows = [self.rows[b] for b in keep]
+            order = self.cache.keep(keep)  # the rows' new slots
+            index = torch.tensor(order, dtype=torch.long)
+            self.rows = [self.rows[b] for b in order]
             self.positions = self.positions[index]
             chosen = chosen[index.to(chosen.device)]
         if self.rows:
             device = engine.device
+            t_forward = time.perf_counter()
             self.logits = engine._forward(
                 None, self.prefix, input_ids=chosen[:, None], attention_mask=self.cache.decode_mask().to(device),
                 position_ids=self.positions[:, None].to(device), cache=self.cache,
             )
+            self.forward_s += time.perf_counter() - t_forward
             self.cache.advance()
             self.positions = self.positions + 1
             self.decode_steps += 1
             self.row_steps += len(self.rows)
         else:
             self.logits = None
-        with self._cond:
-            for request in self._queue:
-                request.waited += 1
+        for request in self.queue:
+            request.waited += 1
         self.decode_s += time.perf_counter() - t0
 
     # -- delivery and failure -------------------------------------------------------------------
-    @staticmethod
-    def _dropped(request: DecodeRequest) -> bool:
+    def _dropped(self, request: DecodeRequest) -> bool:
         if request.cancelled:
-            request.done(None, None)
+            self._deliver(request, None, None)
         return request.cancelled
 
     def _deliver(self, request: DecodeRequest, generation: Generation | None, error: BaseException | None) -> None:
+        self.delivered += 1
         try:
             request.done(generation, error)
         except Exception:  # noqa: BLE001 - a consumer's bug must not stop the batch
@@ -552,12 +566,10 @@ class ContinuousDecoder:
         self.positions = self.positions[:0]
         for row in rows:
             self._deliver(row.request, None, exc)
-        with self._cond:
-            self._settle_until = time.monotonic() + self.settle_s
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request decoding or queued with ``exc``."""
         self._fail_batch(exc)
-        with self._cond:
-            queue, self._queue = self._queue, []
+        queue, self.queue = self.queue, []
         for request in queue:
             self._deliver(request, None, exc)
