@@ -409,3 +409,20 @@ def test_a_prompt_sharing_part_of_a_kept_turn_takes_that_part(tiny):
     short = SHARED[:10] + [23, *random_ids(20, 5)]
     engine.generate([short], params)
     assert engine.turn_tokens_reused == 40
+
+
+def test_inverse_cdf_sampling_draws_each_token_with_its_probability():
+    from tracegym.engines.hf import sample_tokens
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.25, 0.0, 0.0, 0.0, 0.0, 0.75]])
+    gen = torch.Generator().manual_seed(0)
+    n = 40_000
+    draws = sample_tokens(probs.repeat(n, 1), torch.rand(2 * n, generator=gen, dtype=torch.float64))
+    for row in range(2):
+        counts = torch.bincount(draws[row::2], minlength=6).double() / n
+        assert torch.allclose(counts, probs[row].double(), atol=0.01), counts
+        assert counts[probs[row] == 0].sum() == 0  # a zero-probability token is never drawn
+    # the edges: u = 0 takes the first token with probability, u just below 1 the last one
+    edges = sample_tokens(probs, torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert edges.tolist() == [1, 5]
+    assert sample_tokens(probs * 7.0, torch.tensor([0.55, 0.1], dtype=torch.float64)).tolist() == [3, 0]  # unnormalised

@@ -124,6 +124,23 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(scaled, dim=-1)
 
 
+def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: row ``b`` draws the first token whose cumulative
+    probability exceeds ``uniforms[b]`` times the row's total.
+
+    probs [B, V] (zeros are never drawn; need not sum to 1); uniforms [B] in [0, 1), one per row.
+    Returns [B] token ids. ``torch.multinomial`` draws V exponentials per row instead (measured on
+    2 cores, 19 rows x 49k vocabulary: 20 ms against 0.6 ms here, 13% of a decode step).
+    The cumulative sum runs in float64, so rounding moves no boundary that matters.
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    target = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    chosen = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
+    # a product that rounds up to the total finds no token: take the row's last one with probability
+    last = probs.shape[-1] - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1)  # [B]
+    return torch.minimum(chosen, last)
+
+
 def validate_params(params: SamplingParams) -> None:
     """Reject parameters that have no meaning, with a message naming the field."""
     if params.temperature < 0:
@@ -422,7 +439,8 @@ class HFEngine(Engine):
             if greedy:
                 chosen = torch.argmax(logits, dim=-1)  # [B]
             else:
-                chosen = torch.multinomial(lp_all.exp().cpu(), 1, generator=generator).squeeze(-1).to(device)
+                uniforms = torch.rand(lp_all.shape[0], generator=generator, dtype=torch.float64)  # [B]
+                chosen = sample_tokens(lp_all.exp().cpu(), uniforms).to(device)
             chosen_lp = lp_all.gather(-1, chosen[:, None]).squeeze(-1)  # [B]
             keep: list[int] = []
             for b, (tok, lp) in enumerate(zip(chosen.tolist(), chosen_lp.tolist())):

@@ -48,7 +48,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from tracegym.engines.hf import sampling_logprobs, validate_params
+from tracegym.engines.hf import sample_tokens, sampling_logprobs, validate_params
 from tracegym.engines.kv_buffers import KVBufferCache
 from tracegym.engines.shared_prefix import SharedPrefix, supports_shared_prefix
 from tracegym.types import FinishReason, Generation, SamplingParams
@@ -494,10 +494,9 @@ class ContinuousDecoder:
         if params.temperature <= 0.0:
             chosen = torch.argmax(self.logits, dim=-1)  # [B]
         else:
-            probs = lp_all.exp().cpu()
             # one generator per row: a row's draws do not depend on the others in the batch
-            chosen = torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=row.generator)[0]
-                                for b, row in enumerate(self.rows)]).to(self.logits.device)
+            uniforms = torch.cat([torch.rand(1, generator=row.generator, dtype=torch.float64) for row in self.rows])
+            chosen = sample_tokens(lp_all.exp().cpu(), uniforms).to(self.logits.device)
         chosen_lp = lp_all.gather(-1, chosen[:, None]).squeeze(-1)  # [B]
         keep: list[int] = []
         finished: list[tuple[int, FinishReason]] = []

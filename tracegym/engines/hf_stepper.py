@@ -17,7 +17,7 @@ plain full-attention cache layers (``DynamicLayer``): sliding-window or recurren
 refused when the stepper is built.
 
 Sampling is the engine's: ``sampling_logprobs`` (temperature, top-p) on the row's logits (plus an
-optional logit bias), greedy argmax at temperature 0, ``torch.multinomial`` with one generator per
+optional logit bias), greedy argmax at temperature 0, ``sample_tokens`` with one generator per
 request (seeded from ``seed``), over the request's rows together. Alone in the batch, a request gets
 the tokens and log-probs ``HFEngine.generate`` gives for the same prompt and parameters; batched
 with others only float rounding differs (padding changes the shapes of the matrix products).
@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tracegym.engines.hf import sampling_logprobs
+from tracegym.engines.hf import sample_tokens, sampling_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,8 @@ class HFStepper:
             if request.temperature <= 0.0:
                 toks = torch.argmax(group, dim=-1)
             else:
-                toks = torch.multinomial(lp_all.exp().cpu(), 1, generator=request.generator).squeeze(-1).to(device)
+                uniforms = torch.rand(e - b, generator=request.generator, dtype=torch.float64)
+                toks = sample_tokens(lp_all.exp().cpu(), uniforms).to(device)
             chosen[b:e] = toks
             tok_lp = lp_all.gather(-1, toks[:, None]).squeeze(-1).tolist()
             tops: list[list[tuple[int, float]] | None] = [None] * (e - b)
