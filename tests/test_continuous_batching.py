@@ -161,18 +161,25 @@ def test_rows_joining_a_running_batch_sample_what_they_sample_alone(tiny_model, 
             assert max(abs(a - b) for a, b in zip(second[seed].logprobs, alone.logprobs)) < 1e-4
 
 
-def test_a_prompt_without_the_batch_prefix_waits_for_the_batch_to_drain(tiny_model):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=8),
+                                    SamplingParams(temperature=0.9, max_tokens=8)], ids=["greedy", "sampled"])
+def test_rows_sharing_part_or_none_of_the_batch_prefix_join_it(tiny_model, params):
+    """The batch's prefix is its first prompts' common start; a later row attends to the part its own
+    prompt starts with (all, some, none) and keeps the rest as its own tokens."""
     engine = _engine(tiny_model)
-    params = SamplingParams(temperature=0.0, max_tokens=8)
     decoder = engine.continuous_decoder(params, admit_fraction=0.0)
     stranger = random_ids(30, 77)  # shares nothing with SYSTEM
-    results = _drive(decoder, {0: [(PROMPTS[0], 6, 1), (PROMPTS[2], 6, 2)], 1: [(stranger, 5, 3), (PROMPTS[3], 4, 4)]})
-    assert decoder.admissions == 2  # the stranger (and the request behind it) started a new batch
-    second = next(i for i, (_, admissions) in enumerate(decoder.sizes) if admissions == 2)
-    assert second >= 6 and decoder.sizes[second - 1][0] == 0  # ... once the first had drained
-    for prompt, seed in ((PROMPTS[0], 1), (PROMPTS[2], 2), (stranger, 3), (PROMPTS[3], 4)):
-        assert results[seed].token_ids == _alone(engine, prompt, params, 6 if seed < 3 else (5 if seed == 3 else 4),
-                                                 seed).token_ids
+    partial = SYSTEM[:25] + random_ids(12, 78)  # shares 25 of its tokens
+    schedule = {0: [(PROMPTS[0], 6, 1), (PROMPTS[2], 6, 2)], 1: [(stranger, 5, 3), (PROMPTS[3], 4, 4)],
+                2: [(partial, 7, 5)], 3: [(PROMPTS[0][:30], 5, 6)]}
+    results = _drive(decoder, schedule)
+    assert decoder.admissions == 4 and len(decoder.prefix) == len(SYSTEM)  # one batch throughout
+    assert max(rows for rows, _ in decoder.sizes) == 6
+    for requests in schedule.values():
+        for prompt, max_tokens, seed in requests:
+            alone = _alone(engine, prompt, params, max_tokens, seed)
+            assert results[seed].token_ids == alone.token_ids, seed
+            assert max(abs(a - b) for a, b in zip(results[seed].logprobs, alone.logprobs)) < 1e-4
 
 
 def test_cancelled_rows_leave_and_a_failing_forward_fails_only_the_batch(tiny_model):
@@ -323,3 +330,24 @@ def test_admission_passes_minimise_padding_plus_pass_cost():
         assert cost(buckets, lengths) == best
     assert _length_buckets([30] * 6) == [list(range(6))]  # equal lengths: one pass
     assert len(_length_buckets([200, 200, 10, 10, 10, 10])) == 2  # long and short rows apart
+
+
+def test_an_ended_episode_leaves_no_kept_turn_behind(calculator_tiny):
+    """The turn store keeps a finished turn for the episode's next one; once the episode ends nothing
+    will extend it, so the runner drops it instead of letting it hold memory until evicted."""
+    engine = calculator_tiny[0]
+    found: list[bool] = []
+    real_forget = engine.forget_turn
+
+    def spy(tokens, adapter=None):
+        found.append((adapter, tuple(tokens)) in engine._turns)
+        real_forget(tokens, adapter)
+        assert (adapter, tuple(tokens)) not in engine._turns
+
+    engine.forget_turn = spy
+    try:
+        result = _calculator_rollout(calculator_tiny, "continuous")
+    finally:
+        engine.forget_turn = real_forget
+    assert len(found) == result.stats.episodes == 8
+    assert all(found)  # each episode's last turn was still kept until then

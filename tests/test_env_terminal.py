@@ -195,11 +195,11 @@ def test_unsafe_local_runs_unisolated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_bwrap
-def test_expert_solves_200_test_tasks_persistent() -> None:
-    tasks = TerminalEnv().tasks("test", 200, seed=0)
+def test_expert_solves_100_test_tasks_persistent() -> None:
+    tasks = TerminalEnv().tasks("test", 100, seed=0)
     results = asyncio.run(run_episodes(lambda: TerminalEnv(), tasks, lambda e: e.expert_action, concurrency=8))
     solved = sum(r.success for r in results)
-    assert solved >= 190, [(r.end_reason, r.error, r.metrics) for r in results if not r.success][:3]
+    assert solved >= 95, [(r.end_reason, r.error, r.metrics) for r in results if not r.success][:3]
     assert {f for t in tasks for f in t.data["families"]} == set(FAMILIES)
     for task, result in zip(tasks[:20], results[:20]):
         made = [{"name": c.name, "arguments": c.arguments} for m in result.messages if m.role == "assistant" for c in m.tool_calls]
@@ -208,10 +208,10 @@ def test_expert_solves_200_test_tasks_persistent() -> None:
 
 
 @needs_bwrap
-def test_expert_solves_200_test_tasks_stateless() -> None:
-    tasks = TerminalEnv(stateless=True).tasks("test", 200, seed=0)
+def test_expert_solves_100_test_tasks_stateless() -> None:
+    tasks = TerminalEnv(stateless=True).tasks("test", 100, seed=0)
     results = asyncio.run(run_episodes(lambda: TerminalEnv(stateless=True), tasks, lambda e: e.expert_action, concurrency=8))
-    assert sum(r.success for r in results) >= 190
+    assert sum(r.success for r in results) >= 95
     # One joined command, then the answer.
     assert all(sum(m.role == "assistant" for m in r.messages) == 2 for r in results)
 

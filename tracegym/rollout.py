@@ -416,6 +416,13 @@ class _RenderedPolicy:
         self.completion: list[int] = []
         self.prefix = tuple(prefix)
 
+    def forget_last_turn(self) -> None:
+        """The episode ended: the engine need not keep its last turn's keys/values for a next turn
+        (the hf engine's turn store; a no-op for engines without one)."""
+        forget = getattr(self.runner.policy, "forget_turn", None)
+        if callable(forget) and self.prompt is not None and self.completion:
+            forget(self.prompt + self.completion[:-1], self.adapter)
+
     def _next_prompt(self, obs: Observation) -> list[int]:
         renderer = self.runner.renderer
         if self.prompt is None:
@@ -526,16 +533,23 @@ class _Runner:
         async with sem:
             if self.batcher is not None:
                 self.batcher.episode_started()
+            policies: list[_RenderedPolicy] = []
+
+            def make_policy(env: Env) -> _RenderedPolicy:
+                policies.append(_RenderedPolicy(self, env, prefix, episode_index=index))
+                return policies[-1]
+
             try:
                 traj = await play_episode(
-                    make_env or self.env_factory, task,
-                    lambda env: _RenderedPolicy(self, env, prefix, episode_index=index),
+                    make_env or self.env_factory, task, make_policy,
                     max_turns=cfg.max_turns, max_tokens=cfg.max_tokens_per_episode, timeout_s=cfg.episode_timeout_s,
                     sample_index=sample_index, env_name=self.env_name, policy_name=self.policy_name,
                 )
             finally:
                 if self.batcher is not None:
                     self.batcher.episode_finished()
+                for policy in policies:
+                    policy.forget_last_turn()
         if traj.error is not None:
             log.warning("episode %s/%d ended with %s: %s", task.id, sample_index, traj.end_reason, traj.error)
         if traj.end_reason in FAILED_END_REASONS and cfg.on_env_error == "zero_reward":

@@ -93,7 +93,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tracegym.engines.base import BASE_ADAPTER, Engine, EngineCapabilities
-from tracegym.engines.kv_buffers import KVBufferCache, KVBufferLayer
+from tracegym.engines.kv_buffers import KVBufferCache
 from tracegym.engines.shared_prefix import SharedPrefix, prefix_attention, supports_shared_prefix
 from tracegym.types import FinishReason, Generation, SamplingParams
 
@@ -527,6 +527,13 @@ class HFEngine(Engine):
         return logits, attention_mask, next_pos, prefix
 
     # -- previous-turn store -------------------------------------------------------------------
+    def forget_turn(self, tokens: Sequence[int], adapter: str | None = None) -> None:
+        """Drop the kept keys/values of exactly ``tokens`` (an episode that ended: no next turn will
+        extend its last one, which would otherwise hold its memory until the store's bound evicts it)."""
+        entry = self._turns.pop((adapter, tuple(int(t) for t in tokens)), None)
+        if entry is not None:
+            self._store_forget(entry)
+
     def clear_cache(self) -> None:
         """Forget every kept turn (after the weights change, or to free the memory)."""
         self._turns.clear()
@@ -708,10 +715,12 @@ class HFEngine(Engine):
         return SharedPrefix(tuple(tokens), tuple(layer.keys[0] for layer in part.layers),
                             tuple(layer.values[0] for layer in part.layers)), have
 
-    def _load_turns(self, hits: list[_TurnKV | None], start: int, cache: Any) -> list[int]:
-        """Copy each row's kept positions from ``start`` on into ``cache``, right-aligned (per layer
-        ``[B, H, C, D]``, zeros before a shorter row's part); returns how many each row got."""
-        counts = [0 if hit is None else max(len(hit.tokens) - start, 0) for hit in hits]
+    def _load_turns(self, hits: list[_TurnKV | None], start: int | Sequence[int], cache: Any) -> list[int]:
+        """Copy each row's kept positions from ``start`` (one for all rows, or one per row) on into
+        ``cache``, right-aligned (per layer ``[B, H, C, D]``, zeros before a shorter row's part);
+        returns how many each row got."""
+        starts = [start] * len(hits) if isinstance(start, int) else list(start)
+        counts = [0 if hit is None else max(len(hit.tokens) - s, 0) for hit, s in zip(hits, starts)]
         width = max(counts)
         if width == 0:
             return counts
@@ -722,7 +731,7 @@ class HFEngine(Engine):
             values = torch.zeros_like(keys)
             for row, (hit, c) in enumerate(zip(hits, counts)):
                 if hit is not None and c:
-                    hit.copy_into(layer, keys[row, :, width - c :], values[row, :, width - c :], start)
+                    hit.copy_into(layer, keys[row, :, width - c :], values[row, :, width - c :], starts[row])
             # drop this layer's references once every row has it (two rows may share an entry): a
             # whole entry, already out of the store, is freed layer by layer, so the store and the
             # batch cache never both hold all of it (a part's tensors stay alive in the store)

@@ -19,11 +19,12 @@ columns ``0 .. len - 1`` (left-aligned). A decode step writes each row's new key
 so rows of any lengths share a step and a joining row never moves the others (the per-call engine's
 layout right-aligns rows, which a joining longer row would shift). The attention reads the buffers'
 first ``max(len) + 1`` columns with a 4D mask ``column <= len_b`` per row; columns a row does not
-own are kept finite (zeros or old keys) so the masked-out products are exact zeros. Rows that leave
+own hold zeros (the buffers start zeroed) or keys of an earlier row of that slot, always finite,
+so the masked-out products are exact zeros. Rows that leave
 move into the freed slots (the kept rows in the lowest ones stay put). The batch's shared prompt prefix (system prompt, tool schemas)
 is a ``SharedPrefix`` held once, as in the per-call engine: it is chosen when a batch starts (the
-queued prompts' common prefix), and a request that does not start with it waits until the batch
-has drained (the batch then starts again with a new prefix).
+queued prompts' common start), and every later row attends to the part of it its own prompt starts
+with (``SharedPrefix.row_lengths``; the rest of its prompt is its own), so any request can join.
 
 Admission costs a prefill forward pass; admitting each request alone would add one per step. Queued
 requests are admitted when they are at least ``admit_fraction`` of the rows there would be, when the
@@ -40,6 +41,8 @@ the same run admits the same requests at the same steps.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -61,6 +64,22 @@ log = logging.getLogger(__name__)
 __all__ = ["ContinuousDecoder", "SlotKVCache", "SlotKVLayer", "DecodeRequest"]
 
 DoneCallback = Callable[["Generation | None", "BaseException | None"], None]
+
+
+RESERVED_COLUMNS = 2048
+"""Columns a slot buffer holds from the start (address space only until rows write there)."""
+
+
+def _untouched_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``like``'s dtype and device. On the CPU an anonymous memory map: the system hands
+    out a page when it is first written, so a slot holds memory only up to the longest row it has
+    held (a buffer of ``torch.zeros`` would be resident in full, rows x capacity), and unmapping
+    returns it at once when the buffer is freed."""
+    if like.device.type != "cpu":
+        return like.new_zeros(shape)
+    count = math.prod(shape)
+    region = mmap.mmap(-1, max(count * like.element_size(), 1))
+    return torch.frombuffer(region, dtype=like.dtype, count=count).view(shape)
 
 
 class SlotKVLayer(DynamicLayer):
@@ -87,16 +106,18 @@ class SlotKVLayer(DynamicLayer):
 
     def ensure(self, like: torch.Tensor, rows: int, cols: int) -> None:
         """Buffers of at least ``rows`` x ``cols`` (``like``: ``[*, Hkv, *, D]``); growing keeps the
-        filled part. Columns grow by half at least, so decode reallocates rarely."""
+        filled part. Columns start at ``RESERVED_COLUMNS`` and double, so decode reallocates rarely."""
         have_rows, have_cols = self.capacity
         if have_rows >= rows and have_cols >= cols:
             return
         new_rows = max(rows, have_rows)
-        new_cols = max(cols, have_cols + have_cols // 2 if have_cols < cols else have_cols)
+        # untouched columns cost address space only: reserve generously, so growing (a copy of every
+        # row, old and new buffers alive together) is rare
+        new_cols = max(cols, 2 * have_cols if have_cols < cols else have_cols, RESERVED_COLUMNS)
         new_cols = -(-new_cols // 64) * 64
         fresh = []
         for old in (self._k, self._v):
-            buffer = like.new_empty((new_rows, like.shape[-3], new_cols, like.shape[-1]))  # [R, Hkv, C, D]
+            buffer = _untouched_zeros((new_rows, like.shape[-3], new_cols, like.shape[-1]), like)  # [R, Hkv, C, D]
             if old is not None and self.owner.rows:
                 buffer[: self.owner.rows, :, : self.owner.length] = old[: self.owner.rows, :, : self.owner.length]
             fresh.append(buffer)
@@ -122,9 +143,6 @@ class SlotKVLayer(DynamicLayer):
             raise ValueError(f"a slot cache takes one new token per row ({rows} rows), got {tuple(key_states.shape)}")
         self.ensure(key_states, rows, length + 1)
         assert self._k is not None and self._v is not None
-        # column `length` becomes visible: zero it first for the rows that write elsewhere (finite, masked out)
-        self._k[:rows, :, length] = 0
-        self._v[:rows, :, length] = 0
         self._k[owner.row_ids, :, owner.lens] = key_states[:, :, 0]  # [B, Hkv, D] at (b, :, lens[b])
         self._v[owner.row_ids, :, owner.lens] = value_states[:, :, 0]
         return self._k[:rows, :, : length + 1], self._v[:rows, :, : length + 1]
@@ -142,12 +160,9 @@ class SlotKVLayer(DynamicLayer):
         self._k[slot, :, :n] = keys
         self._v[slot, :, :n] = values
 
-    def zero(self, rows: slice | int, start: int, stop: int) -> None:
-        if self._k is not None and self._v is not None and stop > start:
-            self._k[rows, :, start:stop] = 0
-            self._v[rows, :, start:stop] = 0
-
     def move_row(self, source: int, target: int, length: int) -> None:
+        """Row ``source``'s first ``length`` columns (its own tokens) into slot ``target``; the target's
+        columns after them keep an earlier row's finite keys (masked out)."""
         assert self._k is not None and self._v is not None
         self._k[target, :, :length] = self._k[source, :, :length]
         self._v[target, :, :length] = self._v[source, :, :length]
@@ -188,12 +203,9 @@ class SlotKVCache(DynamicCache):
         for layer_idx, layer in enumerate(self.layers):
             like = sources[0][layer_idx][0]
             layer.ensure(like[None], self.max_rows if layer.capacity[0] == 0 else rows, max(cols_needed, new_length))
-            if new_length > self.length:  # columns the running rows now expose
-                layer.zero(slice(0, self.rows), self.length, new_length)
-            for i, (src, n) in enumerate(zip(sources, lengths)):
+            for i, src in enumerate(sources):
                 keys, values = src[layer_idx]
                 layer.write_row(self.rows + i, keys, values)
-                layer.zero(self.rows + i, n, new_length)
         self.lens = torch.cat([self.lens, torch.tensor(lengths, dtype=torch.long, device=self.lens.device)])
         self.rows = rows
         self._sync()
@@ -209,7 +221,7 @@ class SlotKVCache(DynamicCache):
         order = list(range(size))
         for target, source in zip(holes, movers):
             for layer in self.layers:
-                layer.move_row(source, target, self.length)
+                layer.move_row(source, target, int(self.lens[source]))
             order[target] = source
         self.lens = self.lens[torch.tensor(order, dtype=torch.long)] if order else self.lens[:0]
         self.rows = size
@@ -323,6 +335,7 @@ class ContinuousDecoder:
         self.prefix: SharedPrefix | None = None
         self.logits: torch.Tensor | None = None  # [B, V] each row's next-token logits
         self.positions = torch.zeros(0, dtype=torch.long)  # [B] each row's next position
+        self.prefix_lens = torch.zeros(0, dtype=torch.long)  # [B] the prefix positions each row attends to
         # counters (stats, benchmarks and tests read them)
         self.admissions = 0  # prefill passes that admitted rows
         self.admitted_rows = 0
@@ -380,23 +393,12 @@ class ContinuousDecoder:
         room = self.engine.max_batch_size - len(self.rows)
         if not queue or room <= 0:
             return
-        if self.rows:
-            due = (len(queue) >= self.admit_fraction * (len(self.rows) + len(queue))
-                   or queue[0].waited >= self.max_wait_steps)
-            if not due:
-                return
-            # a request that does not start with the batch's shared prefix waits for the batch to drain,
-            # and so do the ones queued after it (first come, first served)
-            chosen = []
-            for request in queue[:room]:
-                if not self._fits_prefix(request.prompt):
-                    break
-                chosen.append(request)
-        else:
-            self.prefix = None  # a new batch: its own shared prefix
-            chosen = queue[:room]
-        if not chosen:
+        if self.rows and not (len(queue) >= self.admit_fraction * (len(self.rows) + len(queue))
+                              or queue[0].waited >= self.max_wait_steps):
             return
+        if not self.rows:
+            self.prefix = None  # a new batch: its own shared prefix
+        chosen = queue[:room]
         self.queue = queue[len(chosen):]
         t0 = time.perf_counter()
         try:
@@ -406,12 +408,6 @@ class ContinuousDecoder:
             for request in chosen:
                 self._deliver(request, None, exc)
         self.prefill_s += time.perf_counter() - t0
-
-    def _fits_prefix(self, prompt: list[int]) -> bool:
-        if self.prefix is None:
-            return True
-        n = len(self.prefix)
-        return len(prompt) > n and tuple(prompt[:n]) == self.prefix.tokens
 
     def _prefill(self, requests: list[DecodeRequest]) -> None:
         """Prefill ``requests``' prompts (identical ones once) and add their rows to the batch."""
@@ -424,64 +420,63 @@ class ContinuousDecoder:
         hits = engine._take_turns(distinct, probe)
         computed_before = engine.prefill_tokens
         if not self.rows and engine.prefix_cache and engine.share_prefix_kv and supports_shared_prefix(engine.model):
-            # a new batch: its common prefix once (from the turn store when an episode's kept turn covers it)
-            share = engine._shared_prefix_len(distinct, probe, repeated=len(distinct) < len(requests))
+            # a new batch: its queued prompts' common start once (from the turn store when an episode's
+            # kept turn covers it); later rows attend to the part of it their prompt starts with
+            share = engine._shared_prefix_len(distinct, probe, repeated=True)
             if share:
                 self.prefix, from_store = engine._build_prefix(distinct[0][:share], hits)
                 engine.prefill_tokens += share - from_store
                 engine.turn_tokens_reused += from_store * len(distinct)
-        share = 0 if self.prefix is None else len(self.prefix)
-        # the tokens each prompt computes: after the prefix and what the turn store holds of it
-        kept = [0 if hit is None else max(len(hit.tokens) - share, 0) for hit in hits]
-        new = [len(p) - share - k for p, k in zip(distinct, kept)]
-        logits = torch.empty(0)
-        next_pos = torch.zeros(len(distinct), dtype=torch.long)
-        own_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in distinct]
-        for bucket in _length_buckets(new):
-            prompts, bucket_hits = [distinct[i] for i in bucket], [hits[i] for i in bucket]
-            tmp = KVBufferCache(config)
-            if share:  # each row's kept turn after the prefix, then its new tokens, attending to the prefix
-                own = engine._load_turns(bucket_hits, share, tmp)
-                suffixes = [p[share + o:] for p, o in zip(prompts, own)]
-                part_logits, mask, part_pos = engine._prefill_suffixes(
-                    suffixes, engine._right_aligned_mask(own), [share + o for o in own], tmp, None, self.prefix)
-                engine.turn_tokens_reused += sum(own)
-                engine.prefill_tokens += sum(len(s) for s in suffixes)
-            elif any(hit is not None for hit in bucket_hits):  # no shared prefix: whole rows, kept turns first
-                reused = sum(len(hit.tokens) for hit in bucket_hits if hit is not None)
-                engine.turn_tokens_reused += reused
-                engine.prefill_tokens += sum(len(p) for p in prompts) - reused
-                part_logits, mask, part_pos = engine._prefill_after_turns(prompts, bucket_hits, tmp)
-            else:  # whole rows (a common prefix computed once, then copied into each row)
-                common = engine._shared_prefix_len(prompts, tmp) if engine.prefix_cache else 0
-                engine.prefill_tokens += common + sum(len(p) - common for p in prompts)
-                part_logits, mask, part_pos = engine._prefill_rows(prompts, tmp, common)
-            if not logits.numel():
-                logits = part_logits.new_empty((len(distinct), part_logits.shape[-1]))
-            for b, i in enumerate(bucket):
-                logits[i], next_pos[i] = part_logits[b], int(part_pos[b, 0])
-                # the row's own positions (after the prefix), per layer [Hkv, n, D]
-                where = mask[b].nonzero().flatten()
-                if where.numel() != len(distinct[i]) - share:
-                    raise RuntimeError(f"admitted row holds {where.numel()} positions for {len(distinct[i]) - share} tokens")
-                own_kv[i] = [(layer.keys[b].index_select(1, where), layer.values[b].index_select(1, where))
-                             for layer in tmp.layers]
-            del tmp
-        engine.prefix_tokens_reused += sum(len(r.prompt) for r in requests) - (engine.prefill_tokens - computed_before)
+        # each prompt's part of the prefix (at least one token of its own left), what the turn store
+        # holds of it beyond that, and the tokens it computes
+        firsts = [0 if self.prefix is None else min(engine._common_prefix(tuple(p), self.prefix.tokens), len(p) - 1)
+                  for p in distinct]
+        kept = [0 if hit is None else max(len(hit.tokens) - f, 0) for hit, f in zip(hits, firsts)]
+        new = [len(p) - f - k for p, f, k in zip(distinct, firsts, kept)]
         if self.cache is None or not self.rows:
             self.cache = SlotKVCache(config, engine.max_batch_size)
-        longest = max(len(r.prompt) - share + r.max_tokens for r in requests)
-        self.cache.add_rows([own_kv[s] for s in source], longest)
-        index = torch.tensor(source, dtype=torch.long)
-        self.logits = logits[index] if self.logits is None or not self.rows else torch.cat([self.logits, logits[index]])
-        self.positions = torch.cat([self.positions[: len(self.rows)], next_pos[index]])
-        for request in requests:
-            generator = torch.Generator(device="cpu")
-            if request.seed is not None:
-                generator.manual_seed(int(request.seed))
-            else:
-                generator.seed()
-            self.rows.append(_Row(request, generator))
+        cols = max(len(p) - firsts[i] + r.max_tokens for r, i in zip(requests, source) for p in (distinct[i],))
+        users: dict[int, list[DecodeRequest]] = {}  # distinct prompt -> its requests
+        for request, i in zip(requests, source):
+            users.setdefault(i, []).append(request)
+        for bucket in _length_buckets(new):
+            prompts, bucket_hits = [distinct[i] for i in bucket], [hits[i] for i in bucket]
+            starts = [firsts[i] for i in bucket]
+            tmp = KVBufferCache(config)
+            own = engine._load_turns(bucket_hits, starts, tmp)  # each row's kept turn after its prefix part
+            suffixes = [p[f + o:] for p, f, o in zip(prompts, starts, own)]
+            prefix = None if self.prefix is None else self.prefix.for_rows(torch.tensor(starts, dtype=torch.long))
+            logits, mask, next_pos = engine._prefill_suffixes(
+                suffixes, engine._right_aligned_mask(own), [f + o for f, o in zip(starts, own)], tmp, None, prefix)
+            engine.turn_tokens_reused += sum(own)
+            engine.prefill_tokens += sum(len(x) for x in suffixes)
+            # this pass's rows join the batch now, so its prefill cache is freed before the next pass
+            sources, rows = [], []
+            for b, i in enumerate(bucket):
+                where = mask[b].nonzero().flatten()  # the row's own positions (after the prefix)
+                if where.numel() != len(distinct[i]) - firsts[i]:
+                    raise RuntimeError(f"admitted row holds {where.numel()} positions for {len(distinct[i]) - firsts[i]} tokens")
+                own_kv = [(layer.keys[b].index_select(1, where), layer.values[b].index_select(1, where))
+                          for layer in tmp.layers]  # per layer [Hkv, n, D]
+                sources += [own_kv] * len(users[i])
+                rows += [b] * len(users[i])
+            del tmp
+            self.cache.add_rows(sources, cols)
+            del sources
+            index = torch.tensor(rows, dtype=torch.long)
+            self.logits = logits[index] if self.logits is None or len(self.positions) == 0 else torch.cat(
+                [self.logits, logits[index]])
+            self.positions = torch.cat([self.positions, next_pos[index, 0].cpu()])
+            self.prefix_lens = torch.cat([self.prefix_lens, torch.tensor([starts[b] for b in rows], dtype=torch.long)])
+            for i in bucket:
+                for request in users[i]:
+                    generator = torch.Generator(device="cpu")
+                    if request.seed is not None:
+                        generator.manual_seed(int(request.seed))
+                    else:
+                        generator.seed()
+                    self.rows.append(_Row(request, generator))
+        engine.prefix_tokens_reused += sum(len(r.prompt) for r in requests) - (engine.prefill_tokens - computed_before)
         self.admissions += 1
         self.admitted_rows += len(requests)
 
@@ -515,9 +510,15 @@ class ContinuousDecoder:
         if finished:
             done = [(b, reason) for b, reason in finished if reason != "abort"]
             if engine.turn_cache_bytes and done:
-                engine._remember(self.cache, self.cache.filled_mask(),
-                                 [(b, self.rows[b].request.prompt + self.rows[b].tokens[:-1]) for b, _ in done],
-                                 None, self.prefix)
+                # kept for the episode's next turn: the part of the prefix the row saw, then its own slot
+                by_prefix: dict[int, list[tuple[int, list[int]]]] = {}
+                for b, _ in done:
+                    by_prefix.setdefault(int(self.prefix_lens[b]), []).append(
+                        (b, self.rows[b].request.prompt + self.rows[b].tokens[:-1]))
+                mask = self.cache.filled_mask()
+                for first, rows in by_prefix.items():
+                    prefix = self.prefix.truncated(first) if self.prefix is not None and first else None
+                    engine._remember(self.cache, mask, rows, None, prefix)
             for b, reason in finished:
                 row = self.rows[b]
                 generation = None if reason == "abort" else engine._make_generation(row.tokens, row.logprobs, reason)
@@ -527,12 +528,14 @@ class ContinuousDecoder:
             index = torch.tensor(order, dtype=torch.long)
             self.rows = [self.rows[b] for b in order]
             self.positions = self.positions[index]
+            self.prefix_lens = self.prefix_lens[index]
             chosen = chosen[index.to(chosen.device)]
         if self.rows:
             device = engine.device
             t_forward = time.perf_counter()
+            prefix = None if self.prefix is None else self.prefix.for_rows(self.prefix_lens)
             self.logits = engine._forward(
-                None, self.prefix, input_ids=chosen[:, None], attention_mask=self.cache.decode_mask().to(device),
+                None, prefix, input_ids=chosen[:, None], attention_mask=self.cache.decode_mask().to(device),
                 position_ids=self.positions[:, None].to(device), cache=self.cache,
             )
             self.forward_s += time.perf_counter() - t_forward
@@ -563,6 +566,7 @@ class ContinuousDecoder:
         rows, self.rows = self.rows, []
         self.cache, self.logits, self.prefix = None, None, None
         self.positions = self.positions[:0]
+        self.prefix_lens = self.prefix_lens[:0]
         for row in rows:
             self._deliver(row.request, None, exc)
 

@@ -39,15 +39,22 @@ class SharedPrefix:
     tokens: tuple[int, ...]
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    row_lengths: torch.Tensor | None = None
+    """[B] long: row b attends to the first ``row_lengths[b]`` positions only (None: all of them).
+    Continuous batching gives each row the part of the batch's prefix its prompt starts with."""
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncated(self, n: int) -> SharedPrefix:
         """The first ``n`` positions (views of the same memory)."""
-        if n == len(self):
+        if n == len(self) and self.row_lengths is None:
             return self
         return SharedPrefix(self.tokens[:n], tuple(k[:, :n] for k in self.keys), tuple(v[:, :n] for v in self.values))
+
+    def for_rows(self, lengths: torch.Tensor) -> SharedPrefix:
+        """This prefix, row ``b`` attending to its first ``lengths[b]`` positions (the same memory)."""
+        return SharedPrefix(self.tokens, self.keys, self.values, lengths)
 
     @property
     def storage_id(self) -> int:
@@ -106,6 +113,10 @@ def shared_prefix_attention_forward(
     # the prefix block stays in its product's layout [Hkv, B, g*q, P]: no copy of it is made
     prefix_scores = torch.bmm(folded, prefix_keys.transpose(1, 2)).float().mul_(scale)  # [Hkv, B*g*q, P]
     prefix_scores = prefix_scores.view(kv_heads, batch, rows, prefix_len)  # [Hkv, B, g*q, P]
+    if shared_prefix_kv.row_lengths is not None:  # row b sees the first row_lengths[b] positions only
+        columns = torch.arange(prefix_len, device=query.device)
+        hidden = columns[None, :] >= shared_prefix_kv.row_lengths.to(query.device)[:, None]  # [B, P]
+        prefix_scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
     own_scores = torch.matmul(grouped, key.transpose(2, 3)).float().mul_(scale)  # [B, Hkv, g*q, S]
     if attention_mask is None and q_len > 1:
         causal = torch.ones(q_len, own_len, dtype=torch.bool, device=query.device).tril(own_len - q_len)
@@ -119,12 +130,14 @@ def shared_prefix_attention_forward(
         else:  # an additive float mask
             own_scores.add_(mask)
 
-    # softmax over [prefix | own], in place; the prefix is never masked, so the max is finite
+    # softmax over [prefix | own], in place. A real query sees at least itself, so its max is finite;
+    # a padding query with no visible key gets a finite stand-in and, below, an output of zeros
     peak = torch.maximum(prefix_scores.amax(-1, keepdim=True).transpose(0, 1),
-                         own_scores.amax(-1, keepdim=True))  # [B, Hkv, g*q, 1]
+                         own_scores.amax(-1, keepdim=True)).clamp_(min=-1e30)  # [B, Hkv, g*q, 1]
     prefix_probs = prefix_scores.sub_(peak.transpose(0, 1)).exp_()  # [Hkv, B, g*q, P], unnormalised
     own_probs = own_scores.sub_(peak).exp_()  # [B, Hkv, g*q, S], unnormalised
     total = prefix_probs.sum(-1, keepdim=True).transpose(0, 1) + own_probs.sum(-1, keepdim=True)  # [B, Hkv, g*q, 1]
+    total.clamp_(min=torch.finfo(total.dtype).tiny)
 
     folded_probs = prefix_probs.view(kv_heads, batch * rows, prefix_len).to(value.dtype)  # [Hkv, B*g*q, P]
     out = torch.bmm(folded_probs, prefix_values).view(kv_heads, batch, rows, dim).transpose(0, 1)  # [B, Hkv, g*q, D]
