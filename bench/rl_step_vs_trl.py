@@ -33,7 +33,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -229,14 +228,9 @@ def run_trl(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
 
 def _run_side(python: Path | str, side: str, job_file: Path, workdir: Path) -> dict[str, Any]:
-    command = [str(python), str(Path(__file__).resolve()), "--worker", side, str(job_file), str(workdir)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    marker = "RESULT "
-    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"the {side} side failed (exit {done.returncode})")
-    return json.loads(lines[-1][len(marker):])
+    from stages import run_side
+
+    return run_side([str(python), str(Path(__file__).resolve()), "--worker", side, str(job_file), str(workdir)], side)
 
 
 def _table(ours: dict[str, Any], trl: dict[str, Any], job: dict[str, Any]) -> str:

@@ -105,7 +105,7 @@ def main() -> int:
     runs["continuous"] = run_runner("continuous")
     rss_after_runner = peak_rss_mb()
     after = runs["continuous"]
-    result, runner_time, runner_tokens, runner_tps = after["result"], after["time"], after["tokens"], after["tps"]
+    result, runner_tps = after["result"], after["tps"]
     prompt_lengths = after["prompts"]
 
     # -- the naive loop --------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -201,14 +200,9 @@ def _summary(rows: list[tuple[float, float, int, int]], warmup: int) -> dict[str
 
 
 def _run_side(side: str, job_file: Path) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(job_file)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    marker = "RESULT "
-    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"the {side} side failed (exit {done.returncode})")
-    return json.loads(lines[-1][len(marker):])
+    from stages import run_side
+
+    return run_side([sys.executable, str(Path(__file__).resolve()), "--worker", side, str(job_file)], side)
 
 
 def _table(ours: dict[str, Any], plain: dict[str, Any], job: dict[str, Any]) -> str:

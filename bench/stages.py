@@ -1,9 +1,12 @@
 """What the experiment scripts in bench/ share: run a CLI stage as a subprocess (its output to a
-log, its own peak RSS from GNU time) and write a stage's YAML config."""
+log, its own peak RSS from GNU time), run one side of a side-by-side benchmark in its own process
+and read its result line, and write a stage's YAML config."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,3 +32,15 @@ def dump_yaml(data: dict, path: Path) -> Path:
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def run_side(command: list[str], side: str) -> dict:
+    """Run one side of a side-by-side benchmark (its own process, so its peak RSS is its own) and
+    return the JSON of its last ``RESULT `` line; exit with its output tail when it fails."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    marker = "RESULT "
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"the {side} side failed (exit {done.returncode})")
+    return json.loads(lines[-1][len(marker):])

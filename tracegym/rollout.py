@@ -12,10 +12,13 @@ keys, non-finite rewards rejected). The runner gives that loop one policy object
 Three kinds of policy go through it (told apart by ``policy.capabilities``, an
 ``EngineCapabilities``, or else the older ``returns_logprobs`` attribute):
 
-- a token engine (``hf``, ``vllm``: has ``generate``). Every episode waiting for the model is put into
-  one ``engine.generate`` call (the *batcher*): it fires as soon as every live episode is waiting, or
-  ``batch_wait_s`` after the first request when some episodes are still inside env steps. The
-  blocking call runs in a worker thread, so env steps of the other episodes go on meanwhile.
+- a token engine (``hf``, ``vllm``: has ``generate``). With ``batching="continuous"`` (the default)
+  and an engine that offers it (hf: ``continuous_decoder``), each turn joins one running batch when
+  it is ready and leaves it when it ends (``_StreamBatcher``; docs/rollouts.md). Otherwise every
+  episode waiting for the model is put into one ``engine.generate`` call (``_Batcher``): it fires as
+  soon as every live episode is waiting, or ``batch_wait_s`` after the first request when some
+  episodes are still inside env steps; the blocking call runs in a worker thread, so env steps of
+  the other episodes go on meanwhile.
   Prompts are built token-in, token-out: ``renderer.render_prompt`` for turn 0, then
   ``renderer.continue_prompt(previous_prompt, sampled_ids, env_messages)``; the sampled ids and
   their log-probs are recorded as they came from the engine.
@@ -118,8 +121,8 @@ class RolloutStats:
     mean_reward: float = 0.0  # over kept episodes
     turns: int = 0
     generated_tokens: int = 0
-    generate_calls: int = 0
-    mean_batch_size: float = 0.0
+    generate_calls: int = 0  # per-turn: engine.generate calls; continuous: admissions into the batch
+    mean_batch_size: float = 0.0  # per-turn: rows per call; continuous: rows per decode step
     wall_time_s: float = 0.0
     episodes_per_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -157,6 +160,21 @@ class _Request:
     adapter: str | None = None  # the LoRA adapter to sample with (team roles); None: the model as is
 
 
+async def _wait_until(wake: asyncio.Event, ready: Callable[[], bool], seconds: float) -> None:
+    """Return once ``ready()`` (checked again each time ``wake`` is set) or after ``seconds``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not ready():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return
+        wake.clear()
+        try:
+            await asyncio.wait_for(wake.wait(), remaining)
+        except TimeoutError:
+            return
+
+
 class _Batcher:
     """Gathers the prompts of all episodes waiting for the model into one ``generate`` call."""
 
@@ -173,6 +191,7 @@ class _Batcher:
 
     async def generate(self, prompt: list[int], max_tokens: int, adapter: str | None = None,
                        seed_key: tuple[int, int] = (0, 0)) -> Generation:
+        """``seed_key`` is not used: a generate call's seed comes from the run's seed and the call."""
         fut = asyncio.get_running_loop().create_future()
         self.queue.append(_Request(prompt, max_tokens, fut, adapter))
         self.wake.set()
@@ -195,24 +214,18 @@ class _Batcher:
         self.queue = [r for r in self.queue if not r.future.done()]
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self.wake.wait()
             self.wake.clear()
             self._prune()
             if not self.queue:
                 continue
-            deadline = loop.time() + self.wait_s
-            while len(self.queue) < self.active:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), remaining)
-                except TimeoutError:
-                    pass
+
+            def all_waiting() -> bool:
                 self._prune()
+                return len(self.queue) >= self.active
+
+            await _wait_until(self.wake, all_waiting, self.wait_s)
             batch, self.queue = self.queue, []
             if not batch:
                 continue
@@ -268,6 +281,7 @@ class _StreamBatcher:
         self.wait_s = wait_s
         self.active = 0  # live episodes (started, not finished)
         self.wake = asyncio.Event()
+        self._delivered_seen = 0  # the decoder's delivered count at the last wait
 
     @property
     def calls(self) -> int:
@@ -319,20 +333,15 @@ class _StreamBatcher:
             raise
 
     async def _gather(self) -> None:
-        """Let the episodes run until each live one is queued or decoding (or ended), for ``wait_s`` at most."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_s
+        """Let the episodes run until each live one is queued or decoding (or ended), for ``wait_s``
+        at most; only when turns were delivered since the last step (or at the start): an episode
+        still in a slow env step does not hold every decode step back."""
         await asyncio.sleep(0)  # the delivered turns' episodes run first
         decoder = self.decoder
-        while self.active > len(decoder.queue) + len(decoder.rows):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), remaining)
-            except TimeoutError:
-                break
+        if decoder.delivered == self._delivered_seen and decoder.decode_steps:
+            return
+        self._delivered_seen = decoder.delivered
+        await _wait_until(self.wake, lambda: self.active <= len(decoder.queue) + len(decoder.rows), self.wait_s)
 
     async def run(self) -> None:
         decoder = self.decoder
