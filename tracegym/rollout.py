@@ -268,7 +268,7 @@ class _StreamBatcher:
     The decoder's steps run on the event loop's thread, between the episodes' coroutines: after a
     step, the episodes whose turn ended parse it, step their envs and queue their next turn while
     the loop waits for them (``wait_s`` at most), then the next step runs. The model thus runs on
-    the thread that loaded it (a worker thread's OpenMP team measured 40% slower on 2 cores), and
+    the thread that loaded it (from a worker thread a decode step measured 40% slower on 2 cores), and
     with envs that answer within ``wait_s`` the schedule, so the result, is the same in every run.
 
     Each turn is sampled with its own generator, seeded from the run's seed, the episode's index in

@@ -67,14 +67,14 @@ DoneCallback = Callable[["Generation | None", "BaseException | None"], None]
 
 
 RESERVED_COLUMNS = 2048
-"""Columns a slot buffer holds from the start (address space only until rows write there)."""
+"""Columns a CPU slot buffer holds from the start (address space only until rows touch them)."""
 
 
 def _untouched_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """Zeros of ``like``'s dtype and device. On the CPU an anonymous memory map: the system hands
-    out a page when it is first written, so a slot holds memory only up to the longest row it has
-    held (a buffer of ``torch.zeros`` would be resident in full, rows x capacity), and unmapping
-    returns it at once when the buffer is freed."""
+    out a page when it is first touched (a row writes there, or the attention reads the columns up
+    to the batch's longest row), so reserved columns beyond that cost address space only (a buffer
+    of ``torch.zeros`` would be resident in full), and unmapping returns it at once when freed."""
     if like.device.type != "cpu":
         return like.new_zeros(shape)
     count = math.prod(shape)
@@ -113,7 +113,8 @@ class SlotKVLayer(DynamicLayer):
         new_rows = max(rows, have_rows)
         # untouched columns cost address space only: reserve generously, so growing (a copy of every
         # row, old and new buffers alive together) is rare
-        new_cols = max(cols, 2 * have_cols if have_cols < cols else have_cols, RESERVED_COLUMNS)
+        reserved = RESERVED_COLUMNS if like.device.type == "cpu" else 0  # an accelerator allocates it all
+        new_cols = max(cols, 2 * have_cols if have_cols < cols else have_cols, reserved)
         new_cols = -(-new_cols // 64) * 64
         fresh = []
         for old in (self._k, self._v):
@@ -282,8 +283,8 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
 @dataclass
 class DecodeRequest:
     """One episode turn: ``prompt`` token ids, at most ``max_tokens`` new tokens, sampled with its own
-    generator (seeded with ``seed``; None: random). ``done(generation, error)`` is called once, on the
-    decoder's thread."""
+    generator (seeded with ``seed``; None: random). ``done(generation, error)`` is called once, inside
+    the decoder's ``step`` (``(None, None)`` for a cancelled request)."""
 
     prompt: list[int]
     max_tokens: int
@@ -312,8 +313,8 @@ class ContinuousDecoder:
     decodes one token for every row; ``done`` callbacks run inside ``step``. The rollout runner
     calls ``step`` from its event loop, between the episodes' env steps (``tracegym.rollout``):
     the model runs on the thread that loaded it (measured on 2 CPU cores: a decode step of SmolLM2
-    at 19 rows took 0.14 s on the main thread and 0.20 s on a worker thread, whose OpenMP team
-    competes with the idle main team).
+    at 19 rows took 0.14 s on the main thread and 0.20 s from a worker thread; a plain large matmul
+    showed no such difference, so the cost is in the many small operations of a decode step).
     """
 
     def __init__(self, engine: HFEngine, params: SamplingParams, *, admit_fraction: float = 0.25,
