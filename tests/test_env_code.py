@@ -316,10 +316,10 @@ def test_a_failing_sandbox_is_an_error_not_a_graded_submission(monkeypatch: pyte
 
 
 @needs_bwrap
-def test_expert_solves_100_test_tasks() -> None:
-    tasks = CodeEnv().tasks("test", 100, seed=0)
+def test_expert_solves_60_test_tasks() -> None:
+    tasks = CodeEnv().tasks("test", 60, seed=0)
     results = asyncio.run(run_episodes(lambda: CodeEnv(), tasks, lambda e: e.expert_action))
-    assert sum(r.success for r in results) >= 95, [r.info for r in results if not r.success][:3]
+    assert sum(r.success for r in results) >= 57, [r.info for r in results if not r.success][:3]
     for task, result in zip(tasks[:30], results[:30]):
         calls = [c.name for m in result.messages if m.role == "assistant" for c in m.tool_calls]
         assert calls == ["run_python", "submit"] and result.reward == 1.0
@@ -331,7 +331,7 @@ def test_expert_solves_100_test_tasks() -> None:
 
 @needs_bwrap
 def test_check_env_passes() -> None:
-    report = check_env(lambda: CodeEnv(), n_tasks=20)
+    report = check_env(lambda: CodeEnv(), n_tasks=10)
     assert report.ok and report.expert_success_rate == 1.0 and "branching" in report.passed
     options = {"reward": "all", "max_submissions": 2, "difficulty": "2..3", "num_tests": 5}
     assert check_env(lambda: CodeEnv(**options), n_tasks=6).ok

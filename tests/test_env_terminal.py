@@ -195,11 +195,11 @@ def test_unsafe_local_runs_unisolated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_bwrap
-def test_expert_solves_100_test_tasks_persistent() -> None:
-    tasks = TerminalEnv().tasks("test", 100, seed=0)
+def test_expert_solves_60_test_tasks_persistent() -> None:
+    tasks = TerminalEnv().tasks("test", 60, seed=0)
     results = asyncio.run(run_episodes(lambda: TerminalEnv(), tasks, lambda e: e.expert_action, concurrency=8))
     solved = sum(r.success for r in results)
-    assert solved >= 95, [(r.end_reason, r.error, r.metrics) for r in results if not r.success][:3]
+    assert solved >= 57, [(r.end_reason, r.error, r.metrics) for r in results if not r.success][:3]
     assert {f for t in tasks for f in t.data["families"]} == set(FAMILIES)
     for task, result in zip(tasks[:20], results[:20]):
         made = [{"name": c.name, "arguments": c.arguments} for m in result.messages if m.role == "assistant" for c in m.tool_calls]
@@ -208,10 +208,10 @@ def test_expert_solves_100_test_tasks_persistent() -> None:
 
 
 @needs_bwrap
-def test_expert_solves_100_test_tasks_stateless() -> None:
-    tasks = TerminalEnv(stateless=True).tasks("test", 100, seed=0)
+def test_expert_solves_60_test_tasks_stateless() -> None:
+    tasks = TerminalEnv(stateless=True).tasks("test", 60, seed=0)
     results = asyncio.run(run_episodes(lambda: TerminalEnv(stateless=True), tasks, lambda e: e.expert_action, concurrency=8))
-    assert sum(r.success for r in results) >= 95
+    assert sum(r.success for r in results) >= 57
     # One joined command, then the answer.
     assert all(sum(m.role == "assistant" for m in r.messages) == 2 for r in results)
 
@@ -219,7 +219,7 @@ def test_expert_solves_100_test_tasks_stateless() -> None:
 @needs_bwrap
 @pytest.mark.parametrize("stateless", [False, True])
 def test_check_env_passes(stateless: bool) -> None:
-    report = check_env(lambda: TerminalEnv(stateless=stateless), n_tasks=20)
+    report = check_env(lambda: TerminalEnv(stateless=stateless), n_tasks=10)
     assert report.ok and report.expert_success_rate == 1.0
     assert "branching" in report.skipped and "live shell" in report.skipped["branching"]
 
