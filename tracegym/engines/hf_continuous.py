@@ -436,7 +436,7 @@ class ContinuousDecoder:
         new = [len(p) - f - k for p, f, k in zip(distinct, firsts, kept)]
         if self.cache is None or not self.rows:
             self.cache = SlotKVCache(config, engine.max_batch_size)
-        cols = max(len(p) - firsts[i] + r.max_tokens for r, i in zip(requests, source) for p in (distinct[i],))
+        cols = max(len(distinct[i]) - firsts[i] + r.max_tokens for r, i in zip(requests, source))
         users: dict[int, list[DecodeRequest]] = {}  # distinct prompt -> its requests
         for request, i in zip(requests, source):
             users.setdefault(i, []).append(request)
