@@ -82,6 +82,51 @@ def test_slot_cache_rows_of_any_length_join_write_and_leave():
     assert shortest_left == [] and cache.rows == 0 and cache.length == 0
 
 
+def _resident_kb(buffer: torch.Tensor) -> float:
+    """Resident KB of a slot buffer's pages (``mincore``; the buffer starts a page-aligned map)."""
+    import ctypes
+    import mmap
+
+    pages = -(-buffer.numel() * buffer.element_size() // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(buffer.data_ptr()), pages * mmap.PAGESIZE, vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE / 1024
+
+
+def test_slot_cache_hands_back_the_memory_of_rows_that_left():
+    """A slot's pages stay resident once written; rows that leave give theirs back (the released
+    columns read as zeros), so resident memory follows the live rows, not the longest rows served."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    cache = SlotKVCache(config, max_rows=4)
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, column_kb = 2, 8, 8 * 4 / 1024  # fp32: a column of one head is 32 bytes
+
+    def row(n):
+        return [(torch.randn(heads, n, dim, generator=gen), torch.randn(heads, n, dim, generator=gen)) for _ in range(2)]
+
+    rows = [row(1500), row(20), row(300), row(1200)]
+    cache.add_rows(rows, cols_needed=1600)
+    keys = cache.layers[0]._k
+    written = _resident_kb(keys)
+    assert written >= (1500 + 20 + 300 + 1200) * heads * column_kb  # every written column resident
+    assert cache.keep([1, 2]) == [2, 1]  # row 2 moves into slot 0; slots 2 and 3 are free
+    live = _resident_kb(keys)  # before any read below maps pages again
+    tail = -(-300 * 32 // 4096) * 4096 // 32  # slot 0's columns from the first whole page after its row
+    assert live <= (tail + 20 + 128) * heads * column_kb, (written, live)  # the live rows' pages only
+    for layer_idx, layer in enumerate(cache.layers):
+        for slot, source in enumerate((2, 1)):  # the live rows are intact
+            assert torch.equal(layer._k[slot, :, : rows[source][0][0].shape[1]], rows[source][layer_idx][0])
+            assert torch.equal(layer._v[slot, :, : rows[source][0][0].shape[1]], rows[source][layer_idx][1])
+        assert not layer._k[2:].any() and not layer._v[2:].any()  # the free slots read as zeros again
+        # row 0's old keys: gone from the first whole page after the moved row (before it: masked, finite)
+        assert not layer._k[0, :, tail:].any() and layer._k[0, :, 300:tail].any()
+    assert written > 5 * live
+
+
 # -- the decoder against each request alone ---------------------------------------------------------
 def _engine(tiny_model, **options) -> HFEngine:
     model, tokenizer = tiny_model

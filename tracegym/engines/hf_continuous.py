@@ -19,8 +19,9 @@ columns ``0 .. len - 1`` (left-aligned). A decode step writes each row's new key
 so rows of any lengths share a step and a joining row never moves the others (the per-call engine's
 layout right-aligns rows, which a joining longer row would shift). The attention reads the buffers'
 first ``max(len) + 1`` columns with a 4D mask ``column <= len_b`` per row; columns a row does not
-own hold zeros (the buffers start zeroed) or keys of an earlier row of that slot, always finite,
-so the masked-out products are exact zeros. Rows that leave
+own hold zeros (the buffers start zeroed, and the pages a leaving row wrote are handed back to the
+system, reading as zeros again) or keys of an earlier row of that slot, always finite, so the
+masked-out products are exact zeros. Rows that leave
 move into the freed slots (the kept rows in the lowest ones stay put). The batch's shared prompt prefix (system prompt, tool schemas)
 is a ``SharedPrefix`` held once, as in the per-call engine: it is chosen when a batch starts (the
 queued prompts' common start), and every later row attends to the part of it its own prompt starts
@@ -70,16 +71,31 @@ RESERVED_COLUMNS = 2048
 """Columns a CPU slot buffer holds from the start (address space only until rows touch them)."""
 
 
-def _untouched_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Zeros of ``like``'s dtype and device. On the CPU an anonymous memory map: the system hands
-    out a page when it is first touched (a row writes there, or the attention reads the columns up
-    to the batch's longest row), so reserved columns beyond that cost address space only (a buffer
-    of ``torch.zeros`` would be resident in full), and unmapping returns it at once when freed."""
+def _untouched_zeros(shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Zeros of ``like``'s dtype and device, and the memory map behind them on the CPU.
+
+    On the CPU the buffer is an anonymous memory map: the system hands out a page when it is first
+    written (reading an untouched page maps the shared zero page), so reserved columns beyond what
+    rows wrote cost address space only (a buffer of ``torch.zeros`` would be resident in full);
+    :func:`_release` hands written pages back, and unmapping returns the rest when freed."""
     if like.device.type != "cpu":
-        return like.new_zeros(shape)
+        return like.new_zeros(shape), None
     count = math.prod(shape)
-    region = mmap.mmap(-1, max(count * like.element_size(), 1))
-    return torch.frombuffer(region, dtype=like.dtype, count=count).view(shape)
+    # private: a shared anonymous map (mmap's default) is backed by shared memory, whose pages a read
+    # allocates and MADV_DONTNEED does not free
+    region = mmap.mmap(-1, max(count * like.element_size(), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=like.dtype, count=count).view(shape), region
+
+
+def _release(region: mmap.mmap | None, start: int, stop: int) -> None:
+    """Hand the whole pages inside bytes ``start .. stop`` of ``region`` back to the system; they
+    read as zeros afterwards (``MADV_DONTNEED`` on a private anonymous map), still finite."""
+    if region is None:
+        return
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # the first whole page inside the range
+    last = stop // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        region.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 class SlotKVLayer(DynamicLayer):
@@ -94,6 +110,7 @@ class SlotKVLayer(DynamicLayer):
         self.owner = owner
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._regions: tuple[mmap.mmap | None, ...] = ()  # the memory maps behind _k and _v (CPU)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -116,13 +133,15 @@ class SlotKVLayer(DynamicLayer):
         reserved = RESERVED_COLUMNS if like.device.type == "cpu" else 0  # an accelerator allocates it all
         new_cols = max(cols, 2 * have_cols if have_cols < cols else have_cols, reserved)
         new_cols = -(-new_cols // 64) * 64
-        fresh = []
+        fresh, regions = [], []
         for old in (self._k, self._v):
-            buffer = _untouched_zeros((new_rows, like.shape[-3], new_cols, like.shape[-1]), like)  # [R, Hkv, C, D]
+            buffer, region = _untouched_zeros((new_rows, like.shape[-3], new_cols, like.shape[-1]), like)  # [R, Hkv, C, D]
             if old is not None and self.owner.rows:
                 buffer[: self.owner.rows, :, : self.owner.length] = old[: self.owner.rows, :, : self.owner.length]
             fresh.append(buffer)
+            regions.append(region)
         self._k, self._v = fresh
+        self._regions = tuple(regions)
         if not self.is_initialized:
             self.lazy_initialization(like, like)
         self.refresh()
@@ -163,10 +182,31 @@ class SlotKVLayer(DynamicLayer):
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Row ``source``'s first ``length`` columns (its own tokens) into slot ``target``; the target's
-        columns after them keep an earlier row's finite keys (masked out)."""
+        columns after them (an earlier row's keys) are released."""
         assert self._k is not None and self._v is not None
         self._k[target, :, :length] = self._k[source, :, :length]
         self._v[target, :, :length] = self._v[source, :, :length]
+        self.release(target, target + 1, first_column=length)
+
+    def release(self, first_slot: int, stop_slot: int, first_column: int = 0) -> None:
+        """Give back the memory of slots ``first_slot .. stop_slot - 1`` from column ``first_column`` on.
+
+        A slot's pages stay resident once written, so without this every slot would hold as many
+        columns as the longest row it ever served (measured: 1.85 GB of touched slots for 0.62 GB
+        of live rows in an eval at 64 rows). Per slot and head the columns are one contiguous run
+        (``[R, Hkv, C, D]``), so a slot's tail is ``Hkv`` ranges, and whole slots are one range."""
+        if self._k is None or not self._regions or stop_slot <= first_slot:
+            return
+        _, heads, cols, dim = self._k.shape
+        column_bytes = dim * self._k.element_size()
+        for region in self._regions:
+            if first_column == 0:
+                _release(region, first_slot * heads * cols * column_bytes, stop_slot * heads * cols * column_bytes)
+                continue
+            for slot in range(first_slot, stop_slot):
+                for head in range(heads):
+                    run = (slot * heads + head) * cols * column_bytes  # where this slot's head starts
+                    _release(region, run + first_column * column_bytes, run + cols * column_bytes)
 
 
 class SlotKVCache(DynamicCache):
@@ -224,6 +264,8 @@ class SlotKVCache(DynamicCache):
             for layer in self.layers:
                 layer.move_row(source, target, int(self.lens[source]))
             order[target] = source
+        for layer in self.layers:  # the slots now free (rows that left, rows that moved down)
+            layer.release(size, self.rows)
         self.lens = self.lens[torch.tensor(order, dtype=torch.long)] if order else self.lens[:0]
         self.rows = size
         self._sync()

@@ -85,8 +85,10 @@ class DemoConfig(_Section):
     rl_lr: float = Field(2e-4, gt=0)
     """RL learning rate (LoRA)."""
 
-    micro_batch_size: int = Field(2, gt=0)
-    """Sequences per forward/backward pass (memory: about 2 GiB per sequence of 450 tokens)."""
+    micro_batch_size: int = Field(1, gt=0)
+    """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
+    cores, is also faster (rows of one pass are padded to the longest). Measured on the demo's data
+    (2 steps each, peak RSS): SFT 2.40 GiB at 1 against 3.74 GiB at 2; RL 3.15 against 4.49 GiB."""
 
     lora_r: int = Field(16, gt=0)
     """LoRA rank of both training stages."""
