@@ -180,6 +180,41 @@ def test_loss_options_run_and_log(tmp_path, options, expected):
         assert first["train/tis_truncated_frac"] == 0.0  # engine == trainer: no weight above the cap
 
 
+@pytest.mark.parametrize("penalty, key", [("loss", "train/kl_ref"), ("reward", "reward/kl_penalty")])
+def test_kl_reference_after_sft_is_the_sft_model(tmp_path, penalty, key):
+    """RL from an SFT adapter anchors the KL at that adapter's model, the policy at step 0, not at the
+    bare base: the first step's KL is 0 although the adapter changes the outputs."""
+    from tracegym.config import LoraConfig
+    from tracegym.models import load
+    from tracegym.recipes.rl import load_policy
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.train.lora import prepare_model, save_weights
+
+    sft, _ = load("tiny-random")
+    sft = prepare_model(sft, LoraConfig(r=4))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sft.named_parameters():
+            if "lora_B" in name:  # a trained-looking adapter: B != 0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    save_weights(sft, tmp_path / "sft")
+    cfg = _config(tmp_path / "run", f"model.adapter={tmp_path / 'sft'}", "policy_loss.kl_coef=0.1",
+                  f"policy_loss.kl_penalty={penalty}", "optim.lr=1e-2")
+    model, _, reference = load_policy(cfg, PolicyLossConfig(**cfg.policy_loss), torch.device("cpu"))
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        policy_logits = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base_logits = model(input_ids=ids).logits
+        reference_logits = reference(input_ids=ids).logits
+    assert (policy_logits - base_logits).abs().max() > 1e-3  # the base is not the starting policy
+    torch.testing.assert_close(reference_logits, policy_logits, atol=1e-5, rtol=0)
+    assert not any(p.requires_grad for p in reference.parameters())
+
+    first, second = _steps(train_rl(cfg).run_dir)
+    assert first[key] == pytest.approx(0.0, abs=1e-6) and second[key] > 1e-6
+
+
 def _snapshot(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
     return {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
 

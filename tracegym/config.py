@@ -577,7 +577,8 @@ class RLConfig(_Section):
     """The policy loss, validated by ``tracegym.algos.config.PolicyLossConfig`` before anything loads:
     the common keys ``loss`` (ppo_clip, gspo, policy_gradient, decoupled_ppo or a plugin's), ``aggregation``
     (token_mean, sequence_mean, sequence_sum, fixed_length_sum), ``fixed_length``, ``kl_coef`` (KL to
-    the reference policy; 0 skips the reference model), ``kl_estimator``, ``kl_penalty``,
+    the reference policy, the policy at step 0: with ``model.adapter`` the SFT model; 0 skips the
+    reference model), ``kl_estimator``, ``kl_penalty``,
     ``entropy_coef``, ``tis_cap``, ``log_ratio_limit``, plus the chosen loss's own options (ppo_clip:
     ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``, ``entropy_clip*``; gspo: clip ranges;
     decoupled_ppo: ppo_clip's and ``behav_weight_cap``, ``behav_weight_mode``)."""

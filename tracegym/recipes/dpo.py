@@ -25,7 +25,6 @@ What it does, top to bottom:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import time
@@ -58,7 +57,7 @@ from tracegym.render import get_renderer
 from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs
-from tracegym.train.lora import count_parameters, prepare_model
+from tracegym.train.lora import count_parameters, prepare_model, starting_reference
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
@@ -308,17 +307,10 @@ def load_policy_and_reference(cfg: DPOConfig, device: torch.device) -> tuple[Any
     from tracegym.models import load
 
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
-    reference = None
-    if not cfg.lora.enabled:  # full fine-tuning: the untouched weights, frozen
-        reference = copy.deepcopy(model)
-    elif cfg.model.adapter:  # after SFT: the SFT model, not the bare base, is where the policy starts
-        import peft
-
-        if not (Path(cfg.model.adapter) / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"no peft adapter (adapter_config.json) in {cfg.model.adapter}")
-        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), cfg.model.adapter).merge_and_unload()
+    # after SFT the reference is the SFT model (where the policy starts), not the bare base
+    reference = starting_reference(model, cfg.lora, cfg.model.adapter)
     if reference is not None:
-        reference = reference.eval().requires_grad_(False).to(device)
+        reference = reference.to(device)
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -29,8 +29,9 @@ tokens at the sampling temperature: then the engine's log-probs and the trainer'
 the same weights and the PPO ratio is exactly 1 on the first pass. With gradient checkpointing the
 update runs in train mode (transformers recomputes activations only there); dropout stays 0.
 
-The reference policy (``policy_loss.kl_coef > 0``) is the LoRA base with the adapter disabled (no
-second copy in memory), or a frozen copy with full fine-tuning.
+The reference policy (``policy_loss.kl_coef > 0``) is the policy at step 0: the LoRA base with the
+adapter disabled for a fresh adapter (no second copy in memory), a frozen copy with the SFT adapter
+merged when RL starts from one (``model.adapter``), or a frozen copy with full fine-tuning.
 
 Executors (``executor.kind``, docs/scale.md): ``local`` samples in this loop with this model (lag 0,
 exact resume); ``threads`` (a rollout thread with its own policy copy) and ``ray`` (rollout actors)
@@ -47,7 +48,6 @@ tool result and following it costs ``env.injection.penalty`` of reward; the rows
 
 from __future__ import annotations
 
-import copy
 import logging
 import statistics
 import time
@@ -74,7 +74,7 @@ from tracegym.rollout_tree import run_tree_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
-from tracegym.train.lora import count_parameters, is_peft_model, prepare_model
+from tracegym.train.lora import count_parameters, is_peft_model, prepare_model, starting_reference
 from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.policy_update import batch_logprobs, policy_update, reference_logprobs, score_batch
 from tracegym.train.result import TrainResult
@@ -251,8 +251,10 @@ def load_policy(cfg: RLConfig, loss_cfg: PolicyLossConfig, device: torch.device)
 
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
     reference = None
-    if loss_cfg.kl_coef > 0 and not cfg.lora.enabled:  # full fine-tuning: a frozen copy is the reference
-        reference = copy.deepcopy(model).eval().requires_grad_(False).to(device)
+    if loss_cfg.kl_coef > 0:  # the policy at step 0: a frozen copy (full fine-tuning, or the SFT adapter
+        # merged when RL starts from one); None for a fresh adapter (the base, adapter disabled)
+        reference = starting_reference(model, cfg.lora, cfg.model.adapter)
+        reference = reference.to(device) if reference is not None else None
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -60,6 +60,31 @@ def prepare_model(
     return peft.get_peft_model(model, peft_config)
 
 
+def starting_reference(model: torch.nn.Module, cfg: LoraConfig, adapter_path: str | Path | None = None) -> torch.nn.Module | None:
+    """The frozen reference policy of a run that trains ``model`` as ``cfg`` says: the policy at
+    step 0, so a KL penalty anchors training where it started. Call it before ``prepare_model``.
+
+    - full fine-tuning: a frozen copy of the untouched weights;
+    - LoRA from ``adapter_path`` (RL or DPO after SFT): a frozen copy with that adapter merged. The
+      bare base would pull the policy back before its SFT, which is not where it started;
+    - a fresh LoRA adapter: None, meaning "the model with its adapter disabled" (no second copy: a
+      fresh adapter computes exactly what the base does).
+    """
+    import copy
+
+    if not cfg.enabled:
+        reference = copy.deepcopy(model)
+    elif adapter_path is not None:
+        import peft
+
+        if not (Path(adapter_path) / ADAPTER_CONFIG).is_file():
+            raise FileNotFoundError(f"no peft adapter (adapter_config.json) in {adapter_path}")
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(adapter_path)).merge_and_unload()
+    else:
+        return None
+    return reference.eval().requires_grad_(False)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
