@@ -227,6 +227,30 @@ def test_rows_sharing_part_or_none_of_the_batch_prefix_join_it(tiny_model, param
             assert max(abs(a - b) for a, b in zip(results[seed].logprobs, alone.logprobs)) < 1e-4
 
 
+def test_two_prompts_extending_one_kept_turn_join_in_different_passes(tiny_model):
+    """Two prompts admitted together may both extend the same kept turn whole (an episode whose own
+    turn was not kept falls back to a sibling's with the same start). When their new parts differ
+    enough in length they prefill in separate passes, and the first pass must not consume the turn
+    the second still reads (it used to: "too many indices for tensor of dimension 1", every episode
+    of the admission failed; seen in RL on 3-call problems, timing-dependent)."""
+    engine = _engine(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    first = _drive(decoder, {0: [(PROMPTS[0], 4, 1)]})  # its turn is kept
+    turn = PROMPTS[0] + list(first[1].token_ids)
+    short, long = turn + OBSERVATION, turn + random_ids(150, 79)  # new parts of ~5 and ~151 tokens
+    kept = engine.turn_tokens_reused
+    # a long row keeps the batch running, so the pair joins it behind its SYSTEM prefix, in one admission
+    schedule = {0: [(PROMPTS[5], 30, 2)], 3: [(short, 5, 3), (long, 5, 4)]}
+    results = _drive(decoder, schedule)
+    assert engine.turn_tokens_reused - kept >= 2 * (len(turn) - 1 - len(SYSTEM))  # both rows used the kept turn
+    assert decoder.admissions == 2 + 1  # the first drive's one, then the running row's and the pair's
+    for prompt, max_tokens, seed in schedule[3]:
+        alone = _alone(engine, prompt, params, max_tokens, seed)
+        assert results[seed].token_ids == alone.token_ids, seed
+        assert max(abs(a - b) for a, b in zip(results[seed].logprobs, alone.logprobs)) < 1e-4
+
+
 def test_cancelled_rows_leave_and_a_failing_forward_fails_only_the_batch(tiny_model):
     engine = _engine(tiny_model)
     params = SamplingParams(temperature=0.0, max_tokens=8)
@@ -256,6 +280,42 @@ def test_cancelled_rows_leave_and_a_failing_forward_fails_only_the_batch(tiny_mo
     while 3 not in outcomes:
         decoder.step()
     assert outcomes[3][0].token_ids == _alone(engine, PROMPTS[2], params, 4, 3).token_ids
+
+
+def test_an_admission_failing_in_its_second_pass_leaves_the_running_batch_as_it_was(tiny_model):
+    """Rows a failed admission's earlier pass added leave again: the running row decodes on exactly,
+    and every request of the admission is answered once, with the error."""
+    engine = _engine(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    decoder = engine.continuous_decoder(params, admit_fraction=0.0)
+    outcomes: dict[int, list] = {}
+
+    def done_for(key):
+        return lambda generation, error: outcomes.setdefault(key, []).append((generation, error))
+
+    decoder.submit(PROMPTS[5], 12, 1, done_for(1))
+    decoder.step()
+    real_prefill, passes = engine._prefill_suffixes, []
+
+    def second_pass_fails(*args, **kwargs):
+        passes.append(1)
+        if len(passes) == 2:
+            raise RuntimeError("injected fault")
+        return real_prefill(*args, **kwargs)
+
+    engine._prefill_suffixes = second_pass_fails
+    decoder.submit(PROMPTS[2], 6, 2, done_for(2))  # a short new part and a long one: two passes
+    decoder.submit(PROMPTS[2] + random_ids(150, 80), 6, 3, done_for(3))
+    decoder.step()
+    engine._prefill_suffixes = real_prefill
+    assert len(passes) == 2 and len(decoder.rows) == 1 and decoder.cache.rows == 1
+    while 1 not in outcomes:
+        decoder.step()
+    for key in (2, 3):
+        [(generation, error)] = outcomes[key]
+        assert generation is None and "injected fault" in str(error)
+    [(generation, error)] = outcomes[1]
+    assert error is None and generation.token_ids == _alone(engine, PROMPTS[5], params, 12, 1).token_ids
 
 
 # -- the rollout runner -----------------------------------------------------------------------------

@@ -628,7 +628,7 @@ class HFEngine(Engine):
         if not self._turns or not self._plain_layers(cache):
             return [None] * len(prompts)
         hits: list[_TurnKV | None] = []
-        superseded: set[tuple[str | None, tuple[int, ...]]] = set()
+        superseded: set[tuple[str | None, tuple[int, ...]]] = set()  # entries handed out whole
         for i, prompt in enumerate(prompts):
             key = tuple(prompt)
             name = None if names is None else names[i]
@@ -647,8 +647,11 @@ class HFEngine(Engine):
             entry = self._turns[best_key]
             self._turns.move_to_end(best_key)  # recently used
             if best_len == len(best):
+                # the first prompt gets the entry itself (``_load_turns`` frees it layer by layer as it
+                # copies); another prompt extending it whole gets views taken now, before that: the
+                # two may be loaded in separate passes (continuous batching's length buckets)
+                hits.append(entry.head(best_len) if best_key in superseded else entry)
                 superseded.add(best_key)
-                hits.append(entry)
             else:  # the first best_len positions only (views; the entry stays whole)
                 hits.append(entry.head(best_len))
         for entry_key in superseded:

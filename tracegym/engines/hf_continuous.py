@@ -420,7 +420,7 @@ class ContinuousDecoder:
                 if self.rows:
                     self._decode()
         except Exception as exc:  # noqa: BLE001 - the episodes in the batch fail, the run goes on
-            log.error("continuous decoding failed for a batch of %d rows: %s", len(self.rows), exc)
+            log.error("continuous decoding failed for a batch of %d rows: %s", len(self.rows), exc, exc_info=True)
             self._fail_batch(exc)
         finally:
             if was_training:
@@ -444,10 +444,12 @@ class ContinuousDecoder:
         chosen = queue[:room]
         self.queue = queue[len(chosen):]
         t0 = time.perf_counter()
+        rows_before = len(self.rows)
         try:
             self._prefill(chosen)
-        except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is intact
-            log.error("continuous decoding: admitting %d requests failed: %s", len(chosen), exc)
+        except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch goes on
+            log.error("continuous decoding: admitting %d requests failed: %s", len(chosen), exc, exc_info=True)
+            self._undo_admission(rows_before)  # a pass that joined before the failing one leaves again
             for request in chosen:
                 self._deliver(request, None, exc)
         self.prefill_s += time.perf_counter() - t0
@@ -604,6 +606,18 @@ class ContinuousDecoder:
             request.done(generation, error)
         except Exception:  # noqa: BLE001 - a consumer's bug must not stop the batch
             log.exception("continuous decoding: a done callback failed")
+
+    def _undo_admission(self, rows_before: int) -> None:
+        """Take out the rows a failed admission added: each prefill pass appends its rows (cache
+        slots, logits, positions, then rows) at the end, so the batch before it is the first
+        ``rows_before`` of each, whichever step failed."""
+        if self.cache is not None and self.cache.rows > rows_before:
+            self.cache.keep(list(range(rows_before)))
+        self.rows = self.rows[:rows_before]
+        self.positions = self.positions[:rows_before]
+        self.prefix_lens = self.prefix_lens[:rows_before]
+        if self.logits is not None:
+            self.logits = self.logits[:rows_before] if rows_before else None
 
     def _fail_batch(self, exc: BaseException) -> None:
         rows, self.rows = self.rows, []

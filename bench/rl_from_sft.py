@@ -1,0 +1,103 @@
+"""The demo's RL stage again, from the SFT adapter of a finished demo run, with other RL settings.
+
+Why: on a 2-core CPU the SFT stage of a 3-call demo takes 35 minutes; RL settings can be compared
+from one SFT start without re-running it. The RL run and its evaluation use the demo run's own
+``demo_config.json`` (env, options, test tasks, samples, temperature, turn budgets, seeds), so its
+pass@1 is paired task by task with that run's ``sft/eval.json``, as ``tracegym demo`` pairs them.
+
+    .venv/bin/python bench/rl_from_sft.py runs/demo3b --out runs/rl_from_sft/lr5e-5 --lr 5e-5 \
+        --tasks-per-step 8 --group-size 4 --steps 12
+
+prints each step's train reward, then the table row and the paired difference RL - SFT, and writes
+``<out>/train_rl`` (the run), ``<out>/rl/eval.json`` and ``<out>/compare.json``. Torch-heavy: run it
+alone (never beside another training or benchmark process on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("demo_dir", type=Path, help="a finished `tracegym demo` output_dir (train_sft/final, sft/eval.json)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--train-tasks", type=int, default=None, help="default: steps x tasks-per-step (each task once)")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--estimator", default="grpo")
+    parser.add_argument("--estimator-options", default="{}", help='JSON, e.g. \'{"baseline": false}\'')
+    parser.add_argument("--loss", default="ppo_clip")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL to the SFT model (the policy at step 0)")
+    args = parser.parse_args()
+
+    from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig
+    from tracegym.engines import make_engine
+    from tracegym.envs import make
+    from tracegym.models import load_tokenizer
+    from tracegym.recipes.demo import DemoConfig, compare_summaries
+    from tracegym.recipes.evaluate import evaluate_to_dir
+    from tracegym.recipes.rl import train_rl
+    from tracegym.render import get_renderer
+    from tracegym.rollout import RolloutConfig
+
+    demo = DemoConfig(**json.loads((args.demo_dir / "demo_config.json").read_text(encoding="utf-8")))
+    sft_adapter, sft_eval = args.demo_dir / "train_sft" / "final", args.demo_dir / "sft" / "eval.json"
+    for needed in (sft_adapter / "adapter_config.json", sft_eval):
+        if not needed.is_file():
+            raise SystemExit(f"{needed} is missing: {args.demo_dir} is not a finished demo run")
+    max_turns = max(demo.eval_turns)
+    loss = {"loss": args.loss, "kl_coef": args.kl_coef}
+    if args.loss == "ppo_clip":
+        loss.update(clip_eps_low=0.2, clip_eps_high=0.28)
+    cfg = RLConfig(  # the demo's stage 5 (recipes/demo.py) with the settings given here
+        model=ModelConfig(name=demo.model, adapter=str(sft_adapter)),
+        lora=LoraConfig(r=demo.lora_r, alpha=2 * demo.lora_r),
+        optim=OptimConfig(lr=args.lr, warmup_steps=0, schedule="constant"),
+        env={"name": demo.env, "options": demo.env_options},
+        tasks={"train": args.train_tasks or max(args.steps * args.tasks_per_step, 8), "test": 0, "seed": demo.seed},
+        tasks_per_step=args.tasks_per_step, group_size=args.group_size,
+        rollout={"max_turns": max_turns, "max_tokens_per_turn": demo.max_tokens_per_turn,
+                 "temperature": demo.temperature, "concurrency": 64},
+        advantage={"estimator": args.estimator, "options": json.loads(args.estimator_options)},
+        policy_loss=loss, micro_batch_size=demo.micro_batch_size, steps=args.steps, max_length=2048,
+        eval={"every": 0, "at_start": False}, seed=demo.seed, output_dir=str(args.out / "train_rl"),
+        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": False, "progress": False},
+    )
+    shutil.rmtree(args.out / "train_rl", ignore_errors=True)
+    started = time.perf_counter()
+    rl = train_rl(cfg)
+    rl_seconds = time.perf_counter() - started
+    for row in rl.history[1:]:
+        print(f"step {row['step']:3d}  train reward {row['reward/mean']:.3f}  groups without signal "
+              f"{row['groups/no_signal']:.0f}/{args.tasks_per_step}", flush=True)
+
+    renderer = get_renderer(demo.model, load_tokenizer(demo.model))
+    test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
+    eval_config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=demo.max_tokens_per_turn,
+                                temperature=demo.temperature, samples_per_task=demo.eval_samples,
+                                seed=demo.seed + 12345, concurrency=64)  # recipes/demo.py's eval_config
+    engine = make_engine("hf", model=str(rl.final_dir), renderer=renderer, max_batch_size=64)
+    summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_config, demo.eval_ks, demo.eval_turns,
+                                    args.out / "rl", env_options=demo.env_options, policy_name="rl", progress=False)
+    comparison = compare_summaries({"sft": json.loads(sft_eval.read_text(encoding="utf-8")), "rl": summary},
+                                   str(max_turns))
+    comparison["settings"] = {**vars(args), "demo_dir": str(args.demo_dir), "out": str(args.out), "rl_seconds": rl_seconds}
+    (args.out / "compare.json").write_text(json.dumps(comparison, indent=2, default=str), encoding="utf-8")
+    for label, row in comparison["stages"].items():
+        low, high = row["pass@1_ci"]
+        print(f"{label}: pass@1 {row['pass@1']:.3f} [{low:.3f}, {high:.3f}]")
+    diff = comparison["paired_diff_pass@1"]["rl-sft"]
+    print(f"rl-sft: {diff['diff']:+.3f} [{diff['ci'][0]:+.3f}, {diff['ci'][1]:+.3f}] paired over {diff['tasks']} tasks; "
+          f"RL {rl_seconds / 60:.1f} min; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
