@@ -69,7 +69,7 @@ def main() -> None:
         advantage={"estimator": args.estimator, "options": json.loads(args.estimator_options)},
         policy_loss=loss, micro_batch_size=demo.micro_batch_size, steps=args.steps, max_length=2048,
         eval={"every": 0, "at_start": False}, seed=demo.seed, output_dir=str(args.out / "train_rl"),
-        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": False, "progress": False},
+        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": False, "progress": True},
     )
     shutil.rmtree(args.out / "train_rl", ignore_errors=True)
     started = time.perf_counter()
