@@ -38,39 +38,32 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0, help="KL to the SFT model (the policy at step 0)")
     args = parser.parse_args()
 
-    from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig
+    from tracegym.config import RLConfig
     from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.models import load_tokenizer
-    from tracegym.recipes.demo import DemoConfig, compare_summaries
+    from tracegym.recipes.demo import DemoConfig, compare_summaries, eval_rollout_config, rl_stage_config
     from tracegym.recipes.evaluate import evaluate_to_dir
     from tracegym.recipes.rl import train_rl
     from tracegym.render import get_renderer
-    from tracegym.rollout import RolloutConfig
 
     demo = DemoConfig(**json.loads((args.demo_dir / "demo_config.json").read_text(encoding="utf-8")))
     sft_adapter, sft_eval = args.demo_dir / "train_sft" / "final", args.demo_dir / "sft" / "eval.json"
     for needed in (sft_adapter / "adapter_config.json", sft_eval):
         if not needed.is_file():
             raise SystemExit(f"{needed} is missing: {args.demo_dir} is not a finished demo run")
-    max_turns = max(demo.eval_turns)
     loss = {"loss": args.loss, "kl_coef": args.kl_coef}
     if args.loss == "ppo_clip":
         loss.update(clip_eps_low=0.2, clip_eps_high=0.28)
-    cfg = RLConfig(  # the demo's stage 5 (recipes/demo.py) with the settings given here
-        model=ModelConfig(name=demo.model, adapter=str(sft_adapter)),
-        lora=LoraConfig(r=demo.lora_r, alpha=2 * demo.lora_r),
-        optim=OptimConfig(lr=args.lr, warmup_steps=0, schedule="constant"),
-        env={"name": demo.env, "options": demo.env_options},
-        tasks={"train": args.train_tasks or max(args.steps * args.tasks_per_step, 8), "test": 0, "seed": demo.seed},
-        tasks_per_step=args.tasks_per_step, group_size=args.group_size,
-        rollout={"max_turns": max_turns, "max_tokens_per_turn": demo.max_tokens_per_turn,
-                 "temperature": demo.temperature, "concurrency": 64},
-        advantage={"estimator": args.estimator, "options": json.loads(args.estimator_options)},
-        policy_loss=loss, micro_batch_size=demo.micro_batch_size, steps=args.steps, max_length=2048,
-        eval={"every": 0, "at_start": False}, seed=demo.seed, output_dir=str(args.out / "train_rl"),
-        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": False, "progress": True},
-    )
+    # the demo's stage 5 (recipes/demo.py) with the settings given here
+    stage = demo.model_copy(update={"rl_steps": args.steps, "rl_tasks_per_step": args.tasks_per_step,
+                                    "rl_group_size": args.group_size, "rl_lr": args.lr})
+    base = rl_stage_config(stage, sft_adapter, args.out / "train_rl").model_dump()
+    cfg = RLConfig(**{
+        **base, "policy_loss": loss, "logging": {**base["logging"], "tensorboard": False},
+        "advantage": {**base["advantage"], "estimator": args.estimator, "options": json.loads(args.estimator_options)},
+        "tasks": {**base["tasks"], "train": args.train_tasks or base["tasks"]["train"]},
+    })
     shutil.rmtree(args.out / "train_rl", ignore_errors=True)
     started = time.perf_counter()
     rl = train_rl(cfg)
@@ -81,14 +74,11 @@ def main() -> None:
 
     renderer = get_renderer(demo.model, load_tokenizer(demo.model))
     test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
-    eval_config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=demo.max_tokens_per_turn,
-                                temperature=demo.temperature, samples_per_task=demo.eval_samples,
-                                seed=demo.seed + 12345, concurrency=64)  # recipes/demo.py's eval_config
     engine = make_engine("hf", model=str(rl.final_dir), renderer=renderer, max_batch_size=64)
-    summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_config, demo.eval_ks, demo.eval_turns,
+    summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_rollout_config(demo), demo.eval_ks, demo.eval_turns,
                                     args.out / "rl", env_options=demo.env_options, policy_name="rl", progress=False)
     comparison = compare_summaries({"sft": json.loads(sft_eval.read_text(encoding="utf-8")), "rl": summary},
-                                   str(max_turns))
+                                   str(max(demo.eval_turns)))
     comparison["settings"] = {**vars(args), "demo_dir": str(args.demo_dir), "out": str(args.out), "rl_seconds": rl_seconds}
     (args.out / "compare.json").write_text(json.dumps(comparison, indent=2, default=str), encoding="utf-8")
     for label, row in comparison["stages"].items():

@@ -138,9 +138,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"expert success rate {expert.stats.success_rate:.3f} on {expert.stats.episodes} episodes")
 
     test_tasks = make(cfg.env, **cfg.env_options).tasks("test", cfg.test_tasks, cfg.seed)
-    eval_config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                                temperature=cfg.temperature, samples_per_task=cfg.eval_samples,
-                                seed=cfg.seed + 12345, concurrency=64)
+    eval_config = eval_rollout_config(cfg)
     summaries: dict[str, dict[str, Any]] = {}
 
     def evaluate(label: str, model_path: str) -> None:
@@ -175,21 +173,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     # 4. RL from the SFT adapter
     _stage(f"5/6 RL (GRPO): {cfg.rl_steps} steps x {cfg.rl_tasks_per_step} tasks x {cfg.rl_group_size} samples", started)
-    rl_cfg = RLConfig(
-        model=ModelConfig(name=cfg.model, adapter=str(sft.final_dir)),
-        lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
-        optim=OptimConfig(lr=cfg.rl_lr, warmup_steps=0, schedule="constant"),
-        env={"name": cfg.env, "options": cfg.env_options},
-        tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0, "seed": cfg.seed},
-        tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
-        rollout={"max_turns": max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
-                 "temperature": cfg.temperature, "concurrency": 64},
-        advantage={"estimator": "grpo"},
-        policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
-        micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
-        eval={"every": 0, "at_start": False}, seed=cfg.seed, output_dir=str(out / "train_rl"),
-        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
-    )
+    rl_cfg = rl_stage_config(cfg, sft.final_dir, out / "train_rl")
     _clear_run_dir(out / "train_rl")
     rl = train_rl(rl_cfg)
     _stage("6/6 evaluate the RL model", started)
@@ -202,6 +186,35 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     _stage(f"done: {out}/{{base,sft,rl}}/eval.json, {report}", started)
     print_comparison(comparison, cfg, time.perf_counter() - started)
     return {**summaries, "compare": comparison}
+
+
+def eval_rollout_config(cfg: DemoConfig) -> Any:
+    """The episodes of every evaluation (base, SFT, RL): same samples, temperature, turns and seeds."""
+    from tracegym.rollout import RolloutConfig
+
+    return RolloutConfig(max_turns=max(cfg.eval_turns), max_tokens_per_turn=cfg.max_tokens_per_turn,
+                         temperature=cfg.temperature, samples_per_task=cfg.eval_samples,
+                         seed=cfg.seed + 12345, concurrency=64)
+
+
+def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | Path) -> RLConfig:
+    """Stage 5: GRPO (LoRA) from the SFT adapter, on the env and turn budget the evaluations use
+    (``bench/rl_from_sft.py`` reruns it with other settings)."""
+    return RLConfig(
+        model=ModelConfig(name=cfg.model, adapter=str(sft_adapter)),
+        lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
+        optim=OptimConfig(lr=cfg.rl_lr, warmup_steps=0, schedule="constant"),
+        env={"name": cfg.env, "options": cfg.env_options},
+        tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0, "seed": cfg.seed},
+        tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
+        rollout={"max_turns": max(cfg.eval_turns), "max_tokens_per_turn": cfg.max_tokens_per_turn,
+                 "temperature": cfg.temperature, "concurrency": 64},
+        advantage={"estimator": "grpo"},
+        policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
+        eval={"every": 0, "at_start": False}, seed=cfg.seed, output_dir=str(output_dir),
+        checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
+    )
 
 
 def _clear_run_dir(path: Path) -> None:

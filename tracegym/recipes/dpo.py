@@ -308,9 +308,7 @@ def load_policy_and_reference(cfg: DPOConfig, device: torch.device) -> tuple[Any
 
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
     # after SFT the reference is the SFT model (where the policy starts), not the bare base
-    reference = starting_reference(model, cfg.lora, cfg.model.adapter)
-    if reference is not None:
-        reference = reference.to(device)
+    reference = starting_reference(model, cfg.lora, cfg.model.adapter, device)
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()

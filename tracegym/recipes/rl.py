@@ -250,11 +250,9 @@ def load_policy(cfg: RLConfig, loss_cfg: PolicyLossConfig, device: torch.device)
     from tracegym.models import load
 
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
-    reference = None
-    if loss_cfg.kl_coef > 0:  # the policy at step 0: a frozen copy (full fine-tuning, or the SFT adapter
-        # merged when RL starts from one); None for a fresh adapter (the base, adapter disabled)
-        reference = starting_reference(model, cfg.lora, cfg.model.adapter)
-        reference = reference.to(device) if reference is not None else None
+    # the policy at step 0: a frozen copy (full fine-tuning, or the SFT adapter merged when RL starts
+    # from one); None for a fresh adapter (the base, adapter disabled) or without a KL term
+    reference = starting_reference(model, cfg.lora, cfg.model.adapter, device) if loss_cfg.kl_coef > 0 else None
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -60,9 +60,13 @@ def prepare_model(
     return peft.get_peft_model(model, peft_config)
 
 
-def starting_reference(model: torch.nn.Module, cfg: LoraConfig, adapter_path: str | Path | None = None) -> torch.nn.Module | None:
+def starting_reference(
+    model: torch.nn.Module, cfg: LoraConfig, adapter_path: str | Path | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module | None:
     """The frozen reference policy of a run that trains ``model`` as ``cfg`` says: the policy at
-    step 0, so a KL penalty anchors training where it started. Call it before ``prepare_model``.
+    step 0, so a KL penalty anchors training where it started, on ``device``. Call it before
+    ``prepare_model``.
 
     - full fine-tuning: a frozen copy of the untouched weights;
     - LoRA from ``adapter_path`` (RL or DPO after SFT): a frozen copy with that adapter merged. The
@@ -82,7 +86,7 @@ def starting_reference(model: torch.nn.Module, cfg: LoraConfig, adapter_path: st
         reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(adapter_path)).merge_and_unload()
     else:
         return None
-    return reference.eval().requires_grad_(False)
+    return reference.eval().requires_grad_(False).to(device)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
