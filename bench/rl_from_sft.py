@@ -32,9 +32,17 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--train-tasks", type=int, default=None, help="default: steps x tasks-per-step (each task once)")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warmup (optimizer steps)")
     parser.add_argument("--estimator", default="grpo")
     parser.add_argument("--estimator-options", default="{}", help='JSON, e.g. \'{"baseline": false}\'')
     parser.add_argument("--loss", default="ppo_clip")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="also keep the adapter every N steps (train_rl/checkpoints/step_*/model), for --eval-adapter")
+    parser.add_argument("--eval-adapter", type=Path, default=None,
+                        help="train nothing: evaluate this adapter (e.g. a checkpoint's model/) against the SFT, into --out")
+    parser.add_argument("--test-tasks", type=int, default=None,
+                        help="held-out tasks of the evaluation (default: the demo's); other than the demo's, the SFT "
+                             "adapter is evaluated on them too (kept in DEMO_DIR/sft_test<N>/) so the pairing holds")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="KL to the SFT model (the policy at step 0)")
     args = parser.parse_args()
 
@@ -57,26 +65,42 @@ def main() -> None:
         loss.update(clip_eps_low=0.2, clip_eps_high=0.28)
     # the demo's stage 5 (recipes/demo.py) with the settings given here
     stage = demo.model_copy(update={"rl_steps": args.steps, "rl_tasks_per_step": args.tasks_per_step,
-                                    "rl_group_size": args.group_size, "rl_lr": args.lr})
+                                    "rl_group_size": args.group_size, "rl_lr": args.lr,
+                                    "rl_warmup_steps": args.warmup_steps})
     base = rl_stage_config(stage, sft_adapter, args.out / "train_rl").model_dump()
     cfg = RLConfig(**{
         **base, "policy_loss": loss, "logging": {**base["logging"], "tensorboard": False},
         "advantage": {**base["advantage"], "estimator": args.estimator, "options": json.loads(args.estimator_options)},
         "tasks": {**base["tasks"], "train": args.train_tasks or base["tasks"]["train"]},
+        "checkpoint": {"every": args.checkpoint_every, "keep_last": max(1, args.steps)},
     })
-    shutil.rmtree(args.out / "train_rl", ignore_errors=True)
-    started = time.perf_counter()
-    rl = train_rl(cfg)
-    rl_seconds = time.perf_counter() - started
-    for row in rl.history[1:]:
-        print(f"step {row['step']:3d}  train reward {row['reward/mean']:.3f}  groups without signal "
-              f"{row['groups/no_signal']:.0f}/{args.tasks_per_step}", flush=True)
+    if args.eval_adapter is not None:
+        adapter, rl_seconds = args.eval_adapter, 0.0
+    else:
+        shutil.rmtree(args.out / "train_rl", ignore_errors=True)
+        started = time.perf_counter()
+        rl = train_rl(cfg)
+        rl_seconds = time.perf_counter() - started
+        adapter = rl.final_dir
+        for row in rl.history[1:]:
+            print(f"step {row['step']:3d}  train reward {row['reward/mean']:.3f}  groups without signal "
+                  f"{row['groups/no_signal']:.0f}/{args.tasks_per_step}", flush=True)
 
     renderer = get_renderer(demo.model, load_tokenizer(demo.model))
-    test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
-    engine = make_engine("hf", model=str(rl.final_dir), renderer=renderer, max_batch_size=64)
-    summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_rollout_config(demo), demo.eval_ks, demo.eval_turns,
-                                    args.out / "rl", env_options=demo.env_options, policy_name="rl", progress=False)
+    n_test = args.test_tasks or demo.test_tasks
+    test_tasks = make(demo.env, **demo.env_options).tasks("test", n_test, demo.seed)
+
+    def evaluate(model: Path, out: Path, label: str) -> dict:
+        engine = make_engine("hf", model=str(model), renderer=renderer, max_batch_size=64)
+        summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_rollout_config(demo), demo.eval_ks,
+                                        demo.eval_turns, out, env_options=demo.env_options, policy_name=label, progress=False)
+        return summary
+
+    if n_test != demo.test_tasks:  # the demo's SFT evaluation covers other tasks: evaluate the SFT on these
+        sft_eval = args.demo_dir / f"sft_test{n_test}" / "eval.json"
+        if not sft_eval.is_file():
+            evaluate(sft_adapter, sft_eval.parent, "sft")
+    summary = evaluate(adapter, args.out / "rl", "rl")
     comparison = compare_summaries({"sft": json.loads(sft_eval.read_text(encoding="utf-8")), "rl": summary},
                                    str(max(demo.eval_turns)))
     comparison["settings"] = {**vars(args), "demo_dir": str(args.demo_dir), "out": str(args.out), "rl_seconds": rl_seconds}

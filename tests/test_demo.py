@@ -40,3 +40,16 @@ def test_demo_runs_every_stage_and_writes_the_outputs(tmp_path, capsys):
 def test_demo_rejects_a_bad_key(capsys):
     assert main(["demo", "rl_step=3"]) == 2
     assert "rl_steps" in capsys.readouterr().err
+
+
+def test_the_rl_stage_takes_the_demo_settings():
+    from tracegym.recipes.demo import DemoConfig, rl_stage_config
+
+    demo = DemoConfig(rl_steps=5, rl_tasks_per_step=3, rl_group_size=4, rl_lr=1e-4, rl_warmup_steps=2,
+                      env_options={"num_calls": 3}, eval_turns=[1, 2, 3, 4, 5])
+    rl = rl_stage_config(demo, "runs/x/train_sft/final", "runs/x/train_rl")
+    assert (rl.optim.lr, rl.optim.warmup_steps, rl.optim.schedule) == (1e-4, 2, "constant")
+    assert (rl.steps, rl.tasks_per_step, rl.group_size, rl.tasks.train) == (5, 3, 4, 15)
+    assert rl.model.adapter == "runs/x/train_sft/final" and rl.env.options == {"num_calls": 3}
+    assert rl.rollout.max_turns == 5 and rl.output_dir == "runs/x/train_rl"
+    assert DemoConfig().rl_warmup_steps == 0  # the one-call demo's README block ran without warmup
