@@ -9,8 +9,10 @@ pass@1 is paired task by task with that run's ``sft/eval.json``, as ``tracegym d
         --tasks-per-step 8 --group-size 4 --steps 12
 
 prints each step's train reward, then the table row and the paired difference RL - SFT, and writes
-``<out>/train_rl`` (the run), ``<out>/rl/eval.json`` and ``<out>/compare.json``. Torch-heavy: run it
-alone (never beside another training or benchmark process on 2 cores).
+``<out>/train_rl`` (the run), ``<out>/rl/eval.json`` and ``<out>/compare.json``. ``--eval-adapter DIR``
+evaluates an adapter (a checkpoint's ``model/``) instead of training; ``--test-tasks N`` evaluates on N
+held-out tasks and evaluates the SFT adapter on the same ones. Torch-heavy: run it alone (never
+beside another training or benchmark process on 2 cores).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def main() -> None:
         "checkpoint": {"every": args.checkpoint_every, "keep_last": max(1, args.steps)},
     })
     if args.eval_adapter is not None:
+        if not (args.eval_adapter / "adapter_config.json").is_file():
+            raise SystemExit(f"--eval-adapter {args.eval_adapter}: no adapter_config.json there (a LoRA adapter folder)")
         adapter, rl_seconds = args.eval_adapter, 0.0
     else:
         shutil.rmtree(args.out / "train_rl", ignore_errors=True)
