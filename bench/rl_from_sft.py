@@ -49,11 +49,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from tracegym.config import RLConfig
-    from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.models import load_tokenizer
-    from tracegym.recipes.demo import DemoConfig, compare_summaries, eval_rollout_config, rl_stage_config
-    from tracegym.recipes.evaluate import evaluate_to_dir
+    from tracegym.recipes.demo import DemoConfig, compare_summaries, evaluate_stage, rl_stage_config
     from tracegym.recipes.rl import train_rl
     from tracegym.render import get_renderer
 
@@ -94,17 +92,11 @@ def main() -> None:
     n_test = args.test_tasks or demo.test_tasks
     test_tasks = make(demo.env, **demo.env_options).tasks("test", n_test, demo.seed)
 
-    def evaluate(model: Path, out: Path, label: str) -> dict:
-        engine = make_engine("hf", model=str(model), renderer=renderer, max_batch_size=64)
-        summary, _, _ = evaluate_to_dir(demo.env, test_tasks, engine, renderer, eval_rollout_config(demo), demo.eval_ks,
-                                        demo.eval_turns, out, env_options=demo.env_options, policy_name=label, progress=False)
-        return summary
-
     if n_test != demo.test_tasks:  # the demo's SFT evaluation covers other tasks: evaluate the SFT on these
         sft_eval = args.demo_dir / f"sft_test{n_test}" / "eval.json"
         if not sft_eval.is_file():
-            evaluate(sft_adapter, sft_eval.parent, "sft")
-    summary = evaluate(adapter, args.out / "rl", "rl")
+            evaluate_stage(stage, test_tasks, renderer, sft_adapter, sft_eval.parent, "sft")
+    summary = evaluate_stage(stage, test_tasks, renderer, adapter, args.out / "rl", "rl")
     comparison = compare_summaries({"sft": json.loads(sft_eval.read_text(encoding="utf-8")), "rl": summary},
                                    str(max(demo.eval_turns)))
     comparison["settings"] = {**vars(args), "demo_dir": str(args.demo_dir), "out": str(args.out), "rl_seconds": rl_seconds}

@@ -114,11 +114,9 @@ def _stage(title: str, started: float) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every stage; returns ``{"base": summary, "sft": summary, "rl": summary, "compare": ...}``."""
-    from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.eval.report import build_report
     from tracegym.models import load_tokenizer
-    from tracegym.recipes.evaluate import evaluate_to_dir
     from tracegym.recipes.rl import train_rl
     from tracegym.recipes.sft import train_sft
     from tracegym.render import get_renderer
@@ -143,14 +141,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"expert success rate {expert.stats.success_rate:.3f} on {expert.stats.episodes} episodes")
 
     test_tasks = make(cfg.env, **cfg.env_options).tasks("test", cfg.test_tasks, cfg.seed)
-    eval_config = eval_rollout_config(cfg)
     summaries: dict[str, dict[str, Any]] = {}
 
     def evaluate(label: str, model_path: str) -> None:
-        engine = make_engine("hf", model=model_path, renderer=renderer, max_batch_size=64)
-        summary, _, _ = evaluate_to_dir(cfg.env, test_tasks, engine, renderer, eval_config, cfg.eval_ks, cfg.eval_turns,
-                                        out / label, env_options=cfg.env_options, policy_name=label,
-                                        progress=cfg.progress, extra={"base_model": cfg.model, "checkpoint": model_path})
+        summary = evaluate_stage(cfg, test_tasks, renderer, model_path, out / label, label)
         summaries[label] = summary
         top = str(max_turns)
         low, high = summary["pass_at_ci"][top]["1"]
@@ -200,6 +194,19 @@ def eval_rollout_config(cfg: DemoConfig) -> Any:
     return RolloutConfig(max_turns=max(cfg.eval_turns), max_tokens_per_turn=cfg.max_tokens_per_turn,
                          temperature=cfg.temperature, samples_per_task=cfg.eval_samples,
                          seed=cfg.seed + 12345, concurrency=64)
+
+
+def evaluate_stage(cfg: DemoConfig, test_tasks: Any, renderer: Any, model_path: str | Path, out: Path,
+                   label: str) -> dict[str, Any]:
+    """One evaluation (base, SFT or RL) on the demo's held-out tasks, written to ``out``; its summary."""
+    from tracegym.engines import make_engine
+    from tracegym.recipes.evaluate import evaluate_to_dir
+
+    engine = make_engine("hf", model=str(model_path), renderer=renderer, max_batch_size=64)
+    summary, _, _ = evaluate_to_dir(cfg.env, test_tasks, engine, renderer, eval_rollout_config(cfg), cfg.eval_ks,
+                                    cfg.eval_turns, out, env_options=cfg.env_options, policy_name=label,
+                                    progress=cfg.progress, extra={"base_model": cfg.model, "checkpoint": str(model_path)})
+    return summary
 
 
 def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | Path) -> RLConfig:
