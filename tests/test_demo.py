@@ -52,4 +52,10 @@ def test_the_rl_stage_takes_the_demo_settings():
     assert (rl.steps, rl.tasks_per_step, rl.group_size, rl.tasks.train) == (5, 3, 4, 15)
     assert rl.model.adapter == "runs/x/train_sft/final" and rl.env.options == {"num_calls": 3}
     assert rl.rollout.max_turns == 5 and rl.output_dir == "runs/x/train_rl"
-    assert DemoConfig().rl_warmup_steps == 0  # the one-call demo's README block ran without warmup
+    # the defaults that hold: the RL rate derived from the SFT rate and the batch, guidance, the
+    # calls part of the calculator's reward, a trust region
+    default = rl_stage_config(DemoConfig(rl_tasks_per_step=8, rl_group_size=8), "a", "b")
+    assert default.optim.lr == 3e-4 / 8 and default.optim.warmup_steps == 2
+    assert default.guidance is not None and default.max_policy_drift == 0.02
+    assert default.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
+    assert default.rollout.temperature == default.eval.temperature == DemoConfig().temperature

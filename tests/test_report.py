@@ -151,6 +151,76 @@ def test_sampling_and_metric_keys() -> None:
     assert choose_metric_keys(rows) == ["reward_mean", "kl", "grad_norm", "foo"]
 
 
+# --- RL health ----------------------------------------------------------------------------------------
+
+
+def write_rl_run(root: Path, name: str, health: bool, config: str | None) -> Path:
+    """A run dir whose metrics.jsonl has the RL loop's usual keys, plus health signals if asked."""
+    run = root / name
+    run.mkdir()
+    if config is not None:
+        (run / "config.yaml").write_text(config)
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in range(1, 6):
+            row = {"step": step, "reward/mean": 0.1 * step, "train/loss": 1.0 / step, "train/entropy": 1.0 - 0.1 * step}
+            if health:
+                row.update({"health/reward_std": 0.5 - 0.1 * step, "health/informative_groups": float(6 - step),
+                            "health/mi": 0.4 / step, "drift/kl": 0.001 * step})
+            f.write(json.dumps(row) + "\n")
+    return run
+
+
+def health_table(html: str) -> list[list[str]]:
+    """The cells of the RL health table, row by row (header included)."""
+    table = re.search(r'<table class="health-values">(.*?)</table>', html, re.S).group(1)
+    return [re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
+
+
+def test_report_plots_rl_health_when_logged(tmp_path: Path) -> None:
+    run = write_rl_run(tmp_path, "rl", health=True, config="health:\n  min_reward_std: 0.1\n  min_mutual_information: null\n"
+                                                          "drift:\n  max_policy_drift: 0.004\n")
+    html = build_report(run).read_text()
+    assert '<h2 id="health">RL health</h2>' in html and '<a href="#health">' in html
+    assert html.count("data:image/png;base64,") == 2  # training curves + the health figure
+    # one row per logged signal, the keys it was found under, the last step's value and the config's
+    # thresholds (MI's is None: no line); no probe NLL was logged, so no panel for it
+    assert health_table(html) == [
+        ["signal", "metric", "last", "threshold"],
+        ["reward std within groups", "health/reward_std", "0", "min_reward_std 0.1"],
+        ["groups with signal", "health/informative_groups", "1", "–"],
+        ["entropy", "train/entropy", "0.5", "–"],
+        ["policy drift KL", "drift/kl", "0.005", "max_policy_drift 0.004"],
+        ["MI(prompt; response)", "health/mi", "0.08", "–"],
+    ]
+    # an RL run without health signals (train/entropy alone is not one) has no such section
+    plain = build_report(write_rl_run(tmp_path, "plain", health=False, config=None)).read_text()
+    assert 'id="health"' not in plain and "RL health" not in plain
+    assert plain.count("data:image/png;base64,") == 1
+
+
+def test_health_thresholds_and_figure_lines() -> None:
+    from tracegym.eval.plots import health_figure
+    from tracegym.eval.report import health_thresholds
+
+    # no health section: HealthConfig's defaults, said to be defaults
+    assert health_thresholds({"model": {"name": "x"}}) == {"health/reward_std": (0.05, "default min_reward_std 0.05"),
+                                                            "health/mi": (0.05, "default min_mutual_information 0.05")}
+    assert health_thresholds({"health": {"min_reward_std": 0.2, "min_mutual_information": None},
+                              "policy": {"max_policy_drift": 0.01}}) == {
+        "health/reward_std": (0.2, "min_reward_std 0.2"), "health/drift_kl": (0.01, "max_policy_drift 0.01"),
+        "drift/kl": (0.01, "max_policy_drift 0.01")}
+    rows = [{"step": s, "health/reward_std": 0.3 / s} for s in (1, 2, 3)]
+    fig = health_figure(rows, [{"title": "reward std", "key": "health/reward_std", "threshold": 0.1,
+                                "threshold_label": "min_reward_std 0.1"}], x_key="step")
+    curve, line = fig.axes[0].lines
+    assert list(curve.get_xdata()) == [1.0, 2.0, 3.0] and list(curve.get_ydata()) == pytest.approx([0.3, 0.15, 0.1])
+    assert list(line.get_ydata()) == [0.1, 0.1] and line.get_linestyle() == "--"
+    assert line.get_label() == "min_reward_std 0.1"
+    assert len(health_figure(rows, [{"title": "t", "key": "health/reward_std"}]).axes[0].lines) == 1  # no threshold
+    with pytest.raises(ValueError, match="at least one panel"):
+        health_figure(rows, [])
+
+
 # --- headless Chromium ----------------------------------------------------------------------------
 
 PROBE = """<script>

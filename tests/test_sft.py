@@ -98,7 +98,7 @@ def test_sft_decreases_loss_and_writes_run_files(tmp_path, toy_files):
     assert last < 0.5 * first, (first, last)
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert len(evals) == 3 and evals[-1] < evals[0]
-    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == pytest.approx(3e-2 / 2)  # linear warmup over 2 steps
+    assert rows[0]["lr"] == pytest.approx(3e-2 / 3) and rows[1]["lr"] == pytest.approx(2 * 3e-2 / 3)  # warmup over 2 steps
     assert all(r["rss_mb"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     run = result.run_dir
     assert (run / "config.yaml").is_file() and list((run / "tensorboard").glob("events.out.tfevents.*"))

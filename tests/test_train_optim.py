@@ -36,12 +36,14 @@ def _lrs(schedule: str, warmup: int, total: int) -> list[float]:
 
 
 def test_schedules_match_hand_computed_values():
-    # Warmup 2 of 6 steps: lr = step / 2 for step < 2, then the decay over the remaining 4 steps.
-    assert _lrs("constant", 2, 6) == pytest.approx([0.0, 0.5, 1, 1, 1, 1])
-    assert _lrs("linear", 2, 6) == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+    # Warmup 2 of 6 steps: lr = (step + 1) / 3 for step < 2 (the first step is not lr 0, unlike
+    # transformers' linear warmup), then the decay over the remaining 4 steps.
+    assert _lrs("constant", 2, 6) == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1])
+    assert _lrs("linear", 2, 6) == pytest.approx([1 / 3, 2 / 3, 1.0, 0.75, 0.5, 0.25])
     cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
-    assert _lrs("cosine", 2, 6) == pytest.approx([0.0, 0.5, *cosine])
+    assert _lrs("cosine", 2, 6) == pytest.approx([1 / 3, 2 / 3, *cosine])
     assert _lrs("constant", 0, 3) == pytest.approx([1, 1, 1])
+    assert _lrs("constant", 1, 3)[0] > 0  # one warmup step: half the rate, never a wasted step
 
 
 def test_weight_decay_skips_biases_and_norms_and_frozen_params():
@@ -119,3 +121,16 @@ def test_saved_adapter_loads_trainable_with_the_same_outputs(tmp_path):
     assert any(p.requires_grad for n, p in again.named_parameters() if "lora_" in n)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         prepare_model(_tiny_llama(), LoraConfig(), adapter_path=tmp_path / "missing")
+
+
+def test_rl_learning_rate_rule():
+    from tracegym.train.optim import rl_learning_rate
+
+    # 3e-4 SFT, 64 episodes per step (8 tasks x 8): 3e-4 / 8
+    assert rl_learning_rate(3e-4, 64) == pytest.approx(3.75e-5)
+    # a quarter of the batch: half the rate (square root of the batch)
+    assert rl_learning_rate(3e-4, 16) == pytest.approx(1.875e-5)
+    # never above a quarter of the SFT rate, however large the batch
+    assert rl_learning_rate(3e-4, 100_000) == pytest.approx(7.5e-5)
+    with pytest.raises(ValueError, match="positive"):
+        rl_learning_rate(0.0, 64)

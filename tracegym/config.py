@@ -290,6 +290,25 @@ class EnvConfig(_Section):
     in ``InjectionEnv`` around the env. None (the default): off."""
 
 
+class CurriculumConfig(_Section):
+    """Pass-rate curriculum of the RL recipe's task choice (``tracegym.executors.curriculum``,
+    docs/algorithms.md, "Curriculum"): a step's tasks are drawn by their estimated pass rate p,
+    favouring tasks whose groups disagree (0 < p < 1), the only ones that carry GRPO signal."""
+
+    enabled: bool = True
+    """Draw tasks by estimated pass rate; false: the plain seeded order, as without the section."""
+
+    explore: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of each draw (rounded half up) given to tasks without an informative estimate: never
+    tried ones first, in the plain seeded order, then those seen solved or failed every time, least
+    recently tried first (their re-check). The rest are drawn from the tasks with 0 < p < 1 with
+    weight p(1-p). A share without candidates is filled from the other."""
+
+    window: int = Field(2, gt=0)
+    """Groups per task in its estimate: p = successes / attempts over its last ``window`` groups, so
+    older groups (of an older policy) drop out and a task reads exactly 0 or 1 once they all agree."""
+
+
 class TasksConfig(_Section):
     train: int = Field(256, gt=0)
     """Number of training tasks drawn from the env's train split."""
@@ -299,6 +318,11 @@ class TasksConfig(_Section):
 
     seed: int = 0
     """Seed of the task draw (the same seed gives the same tasks)."""
+
+    curriculum: CurriculumConfig | None = None
+    """Pass-rate curriculum for ``tracegym rl`` with ``executor.kind: local`` (the asynchronous
+    executors sample ahead of the outcomes it needs, and refuse it). None (the default): every step
+    takes the next tasks of the seeded order."""
 
 
 class RolloutSettings(BaseModel):
@@ -539,6 +563,56 @@ class SelfPlayConfig(_Section):
     """Solver episodes per valid proposal: its pass rate p sets the proposer's reward 4p(1-p)."""
 
 
+class HealthConfig(_Section):
+    """RL health monitors (docs/algorithms.md, "Health monitors")."""
+
+    mutual_information: bool = True
+    """Compute ``health/mi`` every step: RAGEN-2's prompt/response mutual-information proxy, which
+    costs about ``mi_max_pairs`` prompt passes and ``mi_max_pairs``^2 short response passes, no
+    gradient. Off: no MI and no MI warning."""
+
+    mi_max_pairs: int = Field(8, ge=2)
+    """At most this many groups (one first-turn pair each) enter the MI proxy; the proxy is at most
+    log of that many pairs (log 8 = 2.08 nats)."""
+
+    min_reward_std: float | None = Field(0.05, ge=0.0)
+    """Warn when ``health/reward_std`` (mean within-group population std of episode rewards) stays
+    below this for ``patience`` steps: groups agree on their reward, advantages vanish (RAGEN's
+    echo trap). 0.05 suits 0/1 rewards, whose group std is sqrt(p (1 - p)); None: no warning."""
+
+    min_mutual_information: float | None = 0.05
+    """Warn when ``health/mi`` (nats) stays below this for ``patience`` steps: responses no longer
+    depend on the task (RAGEN-2's template collapse). None: no warning."""
+
+    patience: int = Field(3, ge=1)
+    """Consecutive steps below a threshold before the warning; once per streak."""
+
+    drift_rows: int = Field(8, ge=0)
+    """Rows of each step's batch on which ``drift/kl`` (KL(pi_old || pi_new) per sampled token, k3
+    estimator) is measured after the update: one forward pass over them, no gradient. 0: off (and
+    no ``max_policy_drift``)."""
+
+    probe_tasks: int = Field(8, ge=0)
+    """Train tasks whose expert trajectories (the env's scripted expert, recorded once at the start)
+    form the fixed probe set of ``drift/probe_nll``: mean NLL per assistant token after every update,
+    which rises when RL forgets what SFT taught. 0 (or an env without an expert): off."""
+
+
+class GuidanceConfig(_Section):
+    """Off-policy guidance (LUFFY) for all-failure groups: one expert trajectory joins each group
+    whose samples all failed, before advantages, with LUFFY's shaped importance weight."""
+
+    source: Literal["expert"] = "expert"
+    """Where the guidance trajectory comes from: ``expert`` (the env's scripted ``expert_action``,
+    recorded on the policy's token path; an env without an expert fails at the first guided step)."""
+
+    max_groups_per_step: int | None = Field(None, gt=0)
+    """At most this many groups get guidance per step (None: every all-failure group)."""
+
+    shaping_gamma: float = Field(0.1, gt=0)
+    """LUFFY's policy shaping ``f(x) = x / (x + gamma)``: smaller gamma weighs unlikely tokens more."""
+
+
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
 
@@ -648,6 +722,19 @@ class RLConfig(_Section):
     selfplay: SelfPlayConfig | None = None
     """Proposer / solver self-play (needs ``roles`` with ``proposer`` and ``solver``)."""
 
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    """RL health monitors logged every step (``health/*``, ``drift/*``) and their warnings
+    (docs/algorithms.md, "Health monitors")."""
+
+    max_policy_drift: float | None = Field(None, gt=0)
+    """Trust region of one update: when ``drift/kl`` (KL(pi_old || pi_new) per sampled token on
+    ``health.drift_rows`` rows) exceeds it, the step is shrunk by halves (TRPO's backtracking line
+    search) or undone. None: no cap (the drift is still measured)."""
+
+    guidance: GuidanceConfig | None = None
+    """Off-policy guidance (LUFFY) for groups whose samples all failed: the env's expert trajectory
+    of the task joins the group before advantages, with LUFFY's shaped importance weight. None: off."""
+
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
@@ -671,6 +758,14 @@ class RLConfig(_Section):
                 raise ValueError("roles: rollout.engine must be hf or vllm (engines that sample per-row LoRA adapters)")
             if self.roles and not any(role.train for role in self.roles.values()):
                 raise ValueError("roles: at least one role must train (train: true)")
+        if self.guidance is not None and (self.roles or self.selfplay is not None or self.rollout.strategy != "chains"):
+            raise ValueError("guidance: an expert trajectory joins a group of independent chains; it needs "
+                             "rollout.strategy: chains and a single-agent run (no roles or selfplay)")
+        curriculum = self.tasks.curriculum is not None and self.tasks.curriculum.enabled
+        if curriculum and self.executor.kind != "local":
+            raise ValueError(f"tasks.curriculum needs executor.kind: local (got {self.executor.kind})")
+        if curriculum and (self.roles or self.selfplay is not None):
+            raise ValueError("tasks.curriculum: team and self-play training keep the seeded task order; drop the section")
         if self.selfplay is not None and set(self.roles) != {"proposer", "solver"}:
             raise ValueError(f"selfplay needs roles: {{proposer, solver}}, got {sorted(self.roles)}")
         if self.executor.kind != "local":

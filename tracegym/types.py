@@ -93,12 +93,31 @@ class Generation(_Frozen):
     text: str | None = None  # set by text-level engines; token engines may leave it None
 
 
+REWARD_PART_PREFIX = "reward/"
+"""Info and metrics keys ``reward/<part>`` carry named reward parts (see :class:`StepResult`)."""
+
+
+def reward_parts_in(values: dict[str, Any]) -> dict[str, float]:
+    """``{part: value}`` of the numeric ``reward/<part>`` entries of an info or metrics dict."""
+    return {
+        key[len(REWARD_PART_PREFIX):]: float(value)
+        for key, value in values.items()
+        if key.startswith(REWARD_PART_PREFIX) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
 class StepResult(_Frozen):
     """What an environment returns after one assistant message.
 
     ``terminated``: the task ended (solved, failed for good, or the agent gave its final answer).
     ``truncated``: a limit cut the episode before it ended (turns, budget). They never mean the same.
     ``reward`` is the reward for this step; the episode reward is the sum over steps.
+
+    Reward parts (a rubric, ``tracegym.envs.rewards``): an env that splits its reward into named
+    parts reports the unweighted value of each part for this step as ``info["reward/<part>"]``, and
+    ``reward`` is their weighted sum. They ride in ``info`` (not a field of their own) so that every
+    wrapper and replay that passes ``info`` on keeps them; the episode loop sums them per episode
+    into ``Trajectory.metrics["reward/<part>"]``.
     """
 
     messages: tuple[Message, ...] = ()
@@ -106,6 +125,11 @@ class StepResult(_Frozen):
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def reward_parts(self) -> dict[str, float]:
+        """``{part: unweighted value}`` of this step ({} for an env without parts)."""
+        return reward_parts_in(self.info)
 
 
 class Turn(_Frozen):
@@ -156,7 +180,7 @@ class Trajectory(_Frozen):
     turns: tuple[Turn, ...] = ()
     reward: float = 0.0  # episode reward (sum of step rewards)
     success: bool = False
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)  # final step's numeric info; reward/<part> summed
     end_reason: EndReason = "terminated"
     error: str | None = None
     policy: str = ""  # model name, "expert", ...
@@ -165,6 +189,12 @@ class Trajectory(_Frozen):
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def reward_parts(self) -> dict[str, float]:
+        """``{part: unweighted sum over the episode}`` from ``metrics["reward/<part>"]`` ({} when the
+        env reported no parts)."""
+        return reward_parts_in(self.metrics)
 
 
 class TrajectoryGroup(_Frozen):

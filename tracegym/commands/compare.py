@@ -2,7 +2,12 @@
 
 Evaluations with prompt-injection episodes (docs/safety.md) add the columns ``asr`` (attack success
 rate with its interval), ``Δasr`` (paired over the injected tasks both evaluated, against the first:
-"before / after", e.g. SFT then RL) and the utility of clean and injected episodes."""
+"before / after", e.g. SFT then RL) and the utility of clean and injected episodes.
+
+``--pool-seeds`` compares methods trained with several seeds (``tracegym rl --seeds``, ``tracegym
+demo --seeds``): the DIRs are grouped by their path without its ``seed_<N>`` folder, one row per
+method (``tracegym compare --pool-seeds runs/a/seed_*/eval runs/b/seed_*/eval``); see
+``tracegym.eval.seeds.pool_seeds`` for the numbers."""
 
 from __future__ import annotations
 
@@ -19,13 +24,19 @@ HELP = "Compare evaluations (eval.json folders): a pass@k / success / cost table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="folders holding eval.json (or eval.json files)")
-    parser.add_argument("--labels", default=None, help="comma-separated names, one per DIR (default: folder names)")
+    parser.add_argument("--labels", default=None,
+                        help="comma-separated names, one per DIR (per method with --pool-seeds; default: folder names)")
     parser.add_argument("--out", default=None,
-                        help="folder for compare.png and compare.json (default: the inputs' common parent folder)")
+                        help="folder for compare.png and compare.json (compare_seeds.* with --pool-seeds; default: the "
+                             "inputs' common parent folder)")
     parser.add_argument("--turns", type=int, default=None,
                         help="turn budget T to compare at (default: the largest T every evaluation has)")
     parser.add_argument("--k", type=int, default=None, help="k of the pass@k column (default: the largest common k)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the paired bootstrap (default 0)")
+    parser.add_argument("--pool-seeds", action="store_true",
+                        help="DIRs are seed runs (.../seed_<N>/...): one row per method (the path without seed_<N>), "
+                             "pass@1 pooled over its seeds and tasks, 95%% CI resampling seeds and tasks, the per-seed "
+                             "values and the paired Δ to the first method")
 
 
 def _common(summaries: list[dict[str, Any]], what: str) -> list[int]:
@@ -115,6 +126,73 @@ def _default_out(dirs: list[str]) -> Path:
     return Path(os.path.commonpath(folders))
 
 
+def compare_seeds(dirs: list[str], labels: list[str] | None = None, turns: int | None = None,
+                  seed: int = 0) -> dict[str, Any]:
+    """The ``--pool-seeds`` comparison: ``tracegym.eval.seeds.pool_seeds`` of the DIRs grouped by
+    method, at ``turns`` (default: the largest T every evaluation has), with ``dirs`` per method."""
+    from tracegym.eval.evaluate import load_eval
+    from tracegym.eval.seeds import group_by_method, method_labels, pool_seeds
+
+    methods = group_by_method(dirs)
+    if labels is None:
+        labels = method_labels(list(methods))
+    if len(labels) != len(methods):
+        raise ValueError(f"{len(labels)} labels for {len(methods)} methods ({', '.join(map(str, methods))})")
+    groups = {label: {s: load_eval(folder) for s, folder in sorted(runs.items())}
+              for label, runs in zip(labels, methods.values())}
+    common_t = _common([summary for runs in groups.values() for summary in runs.values()], "turns")
+    if turns is None:
+        if not common_t:
+            raise ValueError("the evaluations share no turn budget T; pass --turns")
+        turns = common_t[-1]
+    elif turns not in common_t:
+        raise ValueError(f"not every evaluation has T={turns}; shared budgets: {common_t}")
+    pooled = pool_seeds(groups, turns, seed=seed)
+    for row, runs in zip(pooled["methods"], methods.values()):
+        row["dirs"] = {str(s): str(folder) for s, folder in sorted(runs.items())}
+    return pooled
+
+
+def run_pooled(args: argparse.Namespace, labels: list[str] | None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tracegym.eval.evaluate import atomic_write_text
+    from tracegym.eval.plots import save_figure
+    from tracegym.eval.seeds import seed_compare_figure
+
+    try:
+        pooled = compare_seeds(args.dirs, labels, args.turns, args.seed)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(f"pass@1 at T={pooled['turns']} pooled over seeds and tasks · {pooled['interval']} · "
+                  f"Δ vs {pooled['baseline']}")
+    table = Table(show_lines=True)
+    for col in ("method", "seeds", "tasks", "pass@1 [95% CI]", "per seed", "std over seeds", "Δpass@1 [95% CI]"):
+        table.add_column(col, justify="left" if col in ("method", "per seed") else "right")
+    for row in pooled["methods"]:
+        low, high = row["ci"]
+        diff = row["diff"]
+        table.add_row(
+            row["label"], str(len(row["seeds"])), str(row["tasks"]), f"{row['pass@1']:.3f}\n[{low:.3f}, {high:.3f}]",
+            "\n".join(f"seed {s}: {v:.3f}" for s, v in row["per_seed"].items()),
+            f"{row['seed_std']:.3f}" if row["seed_std"] is not None else "–",
+            f"{diff['diff']:+.3f}\n[{diff['ci'][0]:+.3f}, {diff['ci'][1]:+.3f}] on {diff['tasks']}" if diff else "–",
+        )
+    console.print(table)
+    for note in pooled["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    out = Path(args.out) if args.out else _default_out(args.dirs)
+    out.mkdir(parents=True, exist_ok=True)
+    plot = save_figure(seed_compare_figure(pooled), out / "compare_seeds.png")
+    payload = {**pooled, "inputs": [str(Path(d).resolve()) for d in args.dirs]}
+    atomic_write_text(out / "compare_seeds.json", json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+    console.print(f"wrote {plot} and {out / 'compare_seeds.json'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -123,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     from tracegym.eval.plots import compare_figure, save_figure
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    if args.pool_seeds:
+        return run_pooled(args, labels)
     try:
         result = compare(args.dirs, labels, args.turns, args.k, args.seed)
     except (OSError, ValueError, KeyError) as exc:

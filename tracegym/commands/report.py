@@ -1,4 +1,8 @@
-"""``tracegym report RUN_DIR``: one self-contained HTML page of a run (config, curves, evals, samples)."""
+"""``tracegym report RUN_DIR``: one self-contained HTML page of a run (config, curves, evals, samples).
+
+When RUN_DIR holds ``seed_<N>`` runs (``tracegym rl --seeds``, ``tracegym demo --seeds``), it also
+writes ``seed_curves*.png`` there: each training curve as the mean over seeds with a min-max band
+(``tracegym.eval.seeds.write_seed_curves``)."""
 
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: --max-trajectories must be >= 0", file=sys.stderr)
         return 2
 
+    from tracegym.eval.seeds import write_seed_curves
+
+    for path in write_seed_curves(run_dir):
+        print(f"wrote {path}")
     decode = None
     name = args.tokenizer
     if name == "auto":

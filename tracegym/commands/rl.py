@@ -3,12 +3,14 @@
     tracegym rl --config examples/rl_calculator.yaml
     tracegym rl --config examples/rl_calculator.yaml steps=20 group_size=4 policy_loss.kl_coef=0.01
     tracegym rl --config examples/rl_calculator.yaml --resume
+    tracegym rl --config examples/rl_calculator.yaml --seeds 1,2,3   # runs/rl_calculator/seed_{1,2,3}/, in turn
     tracegym rl --config my_rl.yaml --plugin my_env.py     # a module that registers an env or a loss
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tracegym.commands._config import add_config_arguments
 
@@ -17,9 +19,12 @@ HELP = "Reinforcement learning (GRPO/RLOO/PPO-clip/GSPO, LoRA or full) in an env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tracegym.commands._seeds import add_seeds_argument
+
     add_config_arguments(
         parser, "config overrides, VALUE parsed as YAML: steps=20 group_size=4 policy_loss.clip_eps_high=0.28"
     )
+    add_seeds_argument(parser, "tasks.seed")
 
 
 def check_policy_loss(options: dict) -> None:
@@ -53,12 +58,41 @@ def check_config(cfg: object) -> None:
         raise ConfigError(problems)
 
 
+FINAL_KEYS = ("reward/mean", "eval/pass@1")
+
+
 def run(args: argparse.Namespace) -> int:
     from tracegym.commands._config import print_done, train_from_config
     from tracegym.config import RLConfig
 
+    if args.seeds is not None:
+        return run_seeds(args)
     # a bad policy_loss option, env name or env option fails here, before any model loads
     result = train_from_config(RLConfig, args, "tracegym.recipes.rl:train_rl", check=check_config)
     if isinstance(result, int):
         return result
-    return print_done("rl", result, ("reward/mean", "eval/pass@1"))
+    return print_done("rl", result, FINAL_KEYS)
+
+
+def run_seeds(args: argparse.Namespace) -> int:
+    """``--seeds``: one run per seed (``commands/_seeds.py``); ``--resume`` resumes each seed's run
+    (a seed without a checkpoint starts, a finished one only reports its numbers)."""
+    from tracegym.commands._config import load_for_command, print_done
+    from tracegym.commands._seeds import last_logged, run_over_seeds, seed_override_given
+    from tracegym.config import RLConfig
+
+    if seed_override_given(args.overrides):
+        print("error: seed=... and --seeds both set the training seed; give one of them", file=sys.stderr)
+        return 2
+    cfg = load_for_command(RLConfig, argparse.Namespace(**{**vars(args), "print_config": False}), check=check_config)
+    if isinstance(cfg, int):
+        return cfg
+
+    def train_one(seed_cfg: RLConfig) -> dict[str, float]:
+        from tracegym.recipes.rl import train_rl
+
+        result = train_rl(seed_cfg, resume=args.resume)
+        print_done("rl", result, FINAL_KEYS)
+        return last_logged(result.run_dir, FINAL_KEYS)
+
+    return run_over_seeds(cfg, args.seeds, train_one, "rl", print_config=args.print_config)

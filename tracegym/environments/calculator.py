@@ -9,6 +9,15 @@ numbers large enough that a 135M-parameter model needs the tool. Difficulty: ``n
 or a ``(min, max)`` range). The final answer is written as ``<answer>N</answer>``; reward 1 iff it
 equals the ground truth numerically.
 
+Reward parts (option ``reward_parts``, ``tracegym.envs.rewards``): ``answer`` (the outcome: 1 for
+the right final answer, at the answering turn) and ``calls`` (process: a calculator call whose
+result equals one of the chain's reference intermediate results earns ``1/num_calls`` at its turn,
+each reference result at most once, so the part sums to at most 1 per episode). Unset, the reward is
+the answer alone, as it always was. ``{"answer": 1.0, "calls": 0.3}`` keeps the answer dominant: a
+policy that makes every right call and never answers right gets at most 0.3, a right answer at least
+1.0. The calls part can be farmed by brute force (every operator on the previous result in one
+message hits the next reference value), which is why its weight should stay well below the answer's.
+
 The train/test split is a function of the problem's text (a hash of it), so the two splits can
 share neither an id nor a problem, whatever the seeds. The expert makes the calls in dependency
 order, one per turn, each built from the result the tool returned, then answers.
@@ -262,20 +271,24 @@ class CalculatorEnv(ToolEnv):
     description = "Arithmetic word problems needing 1..N dependent calculator calls; answer <answer>N</answer>."
     reward_range = (0.0, 1.0)
     branchable = True  # the episode's state (task, tool results, ToolEnv counters) is plain data
+    offered_reward_parts = {"answer": (0.0, 1.0), "calls": (0.0, 1.0)}
 
     def __init__(
         self, num_calls: int | Sequence[int] | str = (1, 4), max_turns: int | None = None, test_fraction: float = 0.2,
-        max_tool_output_chars: int | None = None,
+        max_tool_output_chars: int | None = None, reward_parts: dict[str, float] | None = None,
     ) -> None:
+        """``reward_parts``: weights of the reward parts ``answer`` and ``calls`` (module docstring),
+        e.g. ``{"answer": 1.0, "calls": 0.3}``; None: the answer alone, no parts reported."""
         self.min_calls, self.max_calls = parse_int_range(num_calls, "num_calls", 1, 12)
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.test_fraction = test_fraction
         # Room for every call plus the answer, and a few mistakes.
         super().__init__(max_turns=max_turns if max_turns is not None else self.max_calls + 4,
-                         max_tool_output_chars=max_tool_output_chars)
+                         max_tool_output_chars=max_tool_output_chars, reward_parts=reward_parts)
         self.task: Task | None = None
         self.results: list[str] = []  # the tool results of this episode, in order (the expert reads them)
+        self.unmatched_reference_values: list[int | float] = []  # not yet reproduced by a call (calls part)
 
     def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
         return distinct_tasks(
@@ -287,6 +300,9 @@ class CalculatorEnv(ToolEnv):
     async def reset(self, task: Task) -> list[Message]:
         self.task = task
         self.results = []
+        self.unmatched_reference_values = [
+            evaluate_expression(call["arguments"]["expression"]) for call in task.data["reference_calls"]
+        ] if self.reward_parts is not None and "calls" in self.reward_parts else []
         return [Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=task.data["question"])]
 
     @tool(timeout=2.0)
@@ -296,9 +312,20 @@ class CalculatorEnv(ToolEnv):
         Args:
             expression: Numbers with + - * / // % ** and parentheses, e.g. "(37 * 24) - 129".
         """
-        result = format_number(evaluate_expression(expression))
+        value = evaluate_expression(expression)
+        result = format_number(value)
         self.results.append(result)
+        self._earn_for_call(value)
         return result
+
+    def _earn_for_call(self, value: int | float) -> None:
+        """Calls part: a result equal to a reference result not reproduced yet earns 1/num_calls; each
+        reference result is consumed, so repeating a call earns nothing."""
+        for i, reference in enumerate(self.unmatched_reference_values):
+            if abs(value - reference) < 1e-6:
+                del self.unmatched_reference_values[i]
+                self.earn("calls", 1.0 / len(self.task.data["reference_calls"]))  # type: ignore[union-attr]
+                return
 
     def score_answer(self, answer: str) -> float:
         assert self.task is not None

@@ -14,6 +14,22 @@ It makes one move per turn; a model may make several ``move`` calls in one messa
 Rewards: 1 on reaching the goal (FrozenLake) or putting every box on a target (Sokoban), which ends
 the episode; falling into a hole ends it with 0; a message without a move ends it with 0; the
 env's ``max_turns`` truncates it.
+
+Reward parts (option ``reward_parts``, ``tracegym.envs.rewards``): ``goal`` (the outcome above) and
+``distance``, potential-based shaping (Ng, Harada & Russell 1999, "Policy invariance under reward
+transformations"): each turn earns ``gamma * Phi(after) - Phi(before)`` (``shaping_gamma``, default
+1), with ``Phi(s) = -min(d(s), d0) / d0`` in [-1, 0], where ``d0`` is ``d`` at the level's start and
+
+- FrozenLake: ``d`` is the shortest safe path (BFS around the holes) from the agent to the goal; a
+  hole counts as ``d0`` (back at the start), so falling in pays back the progress made;
+- Sokoban: ``d`` is the sum over boxes of the Manhattan distance to the nearest target (0 exactly
+  when solved; the BFS solution length would also price walking, but costs a search per turn).
+
+With gamma = 1 the part sums over an episode to ``Phi(final) - Phi(start) = 1 + Phi(final)``: 1
+when the level is solved (Phi(goal) = 0), 0 after a fall, the fraction of the way covered
+otherwise. Any path to the goal earns the same total and every other ending earns less, so the
+policies that are optimal for the goal alone stay optimal. Set ``shaping_gamma`` to the discount
+of a turn-level estimator that discounts (GiGPO's 0.95) for Ng et al.'s guarantee to hold there.
 """
 
 from __future__ import annotations
@@ -114,13 +130,23 @@ class _GridEnv(ToolEnv):
     game: str = "grid"
     system_prompt: str = ""
     branchable = True  # the board, the agent (and boxes) and the ToolEnv counters are plain data
+    # Phi is in [-1, 0], so one turn's gamma * Phi' - Phi is in [-gamma, 1] within [-1, 1].
+    offered_reward_parts = {"goal": (0.0, 1.0), "distance": (-1.0, 1.0)}
 
-    def __init__(self, max_turns: int | None, test_fraction: float) -> None:
+    def __init__(
+        self, max_turns: int | None, test_fraction: float, reward_parts: dict[str, float] | None = None,
+        shaping_gamma: float = 1.0,
+    ) -> None:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        if not 0.0 < shaping_gamma <= 1.0:
+            raise ValueError(f"shaping_gamma must be in (0, 1], got {shaping_gamma}")
         self.test_fraction = test_fraction
-        super().__init__(max_turns=max_turns)
+        self.shaping_gamma = shaping_gamma
+        super().__init__(max_turns=max_turns, reward_parts=reward_parts)
         self.task: Task | None = None
+        self.start_distance = 1  # d0, the normaliser of Phi (set at reset)
+        self.potential = -1.0  # Phi of the current state (distance part)
 
     def _generate(self, rng: random.Random) -> dict[str, Any]:
         raise NotImplementedError
@@ -136,9 +162,32 @@ class _GridEnv(ToolEnv):
         """The first user message: the goal and the board."""
         raise NotImplementedError
 
+    def distance_to_goal(self) -> int | None:
+        """``d`` of the current state (module docstring); None where it is undefined (a hole)."""
+        raise NotImplementedError
+
+    def _potential(self) -> float:
+        distance = self.distance_to_goal()
+        if distance is None:
+            return -1.0
+        return -min(distance, self.start_distance) / self.start_distance
+
+    def _shaping_on(self) -> bool:
+        return self.reward_parts is not None and "distance" in self.reward_parts
+
+    def step_reward_parts(self) -> dict[str, float]:
+        if not self._shaping_on():
+            return {}
+        before, self.potential = self.potential, self._potential()
+        return {"distance": self.shaping_gamma * self.potential - before}
+
     async def reset(self, task: Task) -> list[Message]:
         self.task = task
         self._load(task.data["grid"])
+        if self._shaping_on():
+            # Generated levels start unsolved, so d0 >= 1; the guard keeps a hand-made solved level finite.
+            self.start_distance = max(self.distance_to_goal() or 1, 1)
+            self.potential = self._potential()
         return [Message(role="system", content=self.system_prompt), Message(role="user", content=self._opening())]
 
     def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
@@ -187,14 +236,18 @@ class FrozenLakeEnv(_GridEnv):
     default_max_turns = 30
 
     def __init__(
-        self, size: int = 5, hole_fraction: float = 0.25, max_turns: int | None = None, test_fraction: float = 0.2
+        self, size: int = 5, hole_fraction: float = 0.25, max_turns: int | None = None, test_fraction: float = 0.2,
+        reward_parts: dict[str, float] | None = None, shaping_gamma: float = 1.0,
     ) -> None:
+        """``reward_parts``: weights of ``goal`` and ``distance`` (module docstring), e.g. ``{"goal":
+        1.0, "distance": 0.3}``; None: the goal alone, no parts reported."""
         if not 3 <= size <= 12:
             raise ValueError(f"size must be between 3 and 12, got {size}")
         if not 0.0 <= hole_fraction <= 0.5:
             raise ValueError(f"hole_fraction must be between 0 and 0.5, got {hole_fraction}")
         self.size, self.hole_fraction = size, hole_fraction
-        super().__init__(max_turns=max_turns, test_fraction=test_fraction)
+        super().__init__(max_turns=max_turns, test_fraction=test_fraction, reward_parts=reward_parts,
+                         shaping_gamma=shaping_gamma)
         self.grid: list[str] = []
         self.position: Cell = (0, 0)
         self.goal: Cell = (0, 0)
@@ -243,6 +296,13 @@ class FrozenLakeEnv(_GridEnv):
 
     def _expert_plan(self) -> list[str] | None:
         return bfs_path(self.position, lambda cell: cell == self.goal, _lake_successors(self.grid))
+
+    def distance_to_goal(self) -> int | None:
+        r, c = self.position
+        if self.grid[r][c] == "H":
+            return None
+        path = self._expert_plan()
+        return None if path is None else len(path)
 
 
 # --- Sokoban ------------------------------------------------------------------------------------------
@@ -375,7 +435,11 @@ class SokobanEnv(_GridEnv):
         max_moves: int = 30,
         max_turns: int | None = None,
         test_fraction: float = 0.2,
+        reward_parts: dict[str, float] | None = None,
+        shaping_gamma: float = 1.0,
     ) -> None:
+        """``reward_parts``: weights of ``goal`` and ``distance`` (module docstring), e.g. ``{"goal":
+        1.0, "distance": 0.3}``; None: the goal alone, no parts reported."""
         if not 5 <= size <= 10:
             raise ValueError(f"size must be between 5 and 10, got {size}")
         low, high = (num_boxes, num_boxes) if isinstance(num_boxes, int) else tuple(num_boxes)
@@ -385,7 +449,8 @@ class SokobanEnv(_GridEnv):
             raise ValueError(f"need 1 <= min_moves <= max_moves, got {min_moves}, {max_moves}")
         self.size, self.min_boxes, self.max_boxes = size, low, high
         self.min_moves, self.max_moves = min_moves, max_moves
-        super().__init__(max_turns=max_turns, test_fraction=test_fraction)
+        super().__init__(max_turns=max_turns, test_fraction=test_fraction, reward_parts=reward_parts,
+                         shaping_gamma=shaping_gamma)
         self.walls: frozenset[Cell] = frozenset()
         self.targets: frozenset[Cell] = frozenset()
         self.player: Cell = (0, 0)
@@ -435,3 +500,6 @@ class SokobanEnv(_GridEnv):
 
     def _expert_plan(self) -> list[str] | None:
         return solve_sokoban(self.walls, self.targets, self.player, self.boxes)
+
+    def distance_to_goal(self) -> int | None:
+        return sum(min(abs(br - tr) + abs(bc - tc) for tr, tc in self.targets) for br, bc in self.boxes)

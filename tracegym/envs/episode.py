@@ -12,7 +12,7 @@ steps the env and records what happened, until one of the end reasons of ``trace
 ``context``       the policy raised :class:`ContextExhausted` (its next prompt would not fit)
 ``timeout``       the wall-clock limit; what happened before it is kept
 ``env_error``     making the env, ``reset``, ``step`` or ``state_key`` raised, or ``step`` returned a
-                  non-finite reward (a NaN/inf reward is never recorded)
+                  non-finite reward or reward part (a NaN/inf reward is never recorded)
 ``engine_error``  making the policy or the policy itself raised, or it returned a malformed action
 ================  =================================================================================
 
@@ -32,6 +32,10 @@ with ``turns == ()``, as text-level data always was. A policy gives token data o
 none (mixing is an ``engine_error``). The rollout runner (``tracegym.rollout``) gives token data for
 every kind of policy it drives, the scripted expert included (the renderer's encoding of its
 messages), so its expert trajectories are SFT data.
+
+Metrics. ``Turn.metrics`` are the numeric entries of that step's info; ``Trajectory.metrics`` those of
+the final step's info (the env's counters are running totals), except the reward parts
+``reward/<part>`` (``tracegym.envs.rewards``), which are per step and summed over the episode's steps.
 
 State keys. Each recorded ``Turn.state_key`` is ``env.state_key()`` taken before that turn's action,
 or, when the env returns None, a 16-hex-digit sha1 of the observations so far (role and content of
@@ -59,7 +63,16 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from tracegym.envs.base import Env, Task
-from tracegym.types import EndReason, FinishReason, Message, ParsedCompletion, StepResult, Trajectory, Turn
+from tracegym.types import (
+    REWARD_PART_PREFIX,
+    EndReason,
+    FinishReason,
+    Message,
+    ParsedCompletion,
+    StepResult,
+    Trajectory,
+    Turn,
+)
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +235,7 @@ class _Progress:
     assistant_turns: int = 0
     generated: int = 0
     reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)  # part -> unweighted sum over the steps
     last_info: dict[str, Any] = field(default_factory=dict)
     end_reason: EndReason | None = None
     error: str | None = None
@@ -310,12 +324,20 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
             return st.end(
                 "env_error", f"task {task.id}: step {st.assistant_turns} returned a non-finite reward {reward!r}"
             )
+        parts = step.reward_parts
+        bad_parts = {part: value for part, value in parts.items() if not math.isfinite(value)}
+        if bad_parts:
+            return st.end(
+                "env_error", f"task {task.id}: step {st.assistant_turns} returned a non-finite reward part {bad_parts}"
+            )
         if tokens is not None:
             try:
                 st.turns.append(_turn(action, step, reward, key))
             except Exception as exc:  # noqa: BLE001 - malformed token data is the policy's fault
                 return st.end("engine_error", f"invalid token data: {_describe(exc)}")
         st.reward += reward
+        for part, value in parts.items():
+            st.reward_parts[part] = st.reward_parts.get(part, 0.0) + value
         st.last_info = dict(step.info)
         st.messages.extend(step.messages)
         observed.add(step.messages)
@@ -393,6 +415,8 @@ async def play_episode(
     info: dict[str, Any] = {"wall_time_s": round(time.perf_counter() - started, 4)}
     if "reference_calls" in task.data:
         info["reference_calls"] = task.data["reference_calls"]
+    metrics = _numeric(st.last_info)
+    metrics.update({REWARD_PART_PREFIX + part: total for part, total in st.reward_parts.items()})
     return Trajectory(
         env=st.env_name,
         task_id=task.id,
@@ -403,7 +427,7 @@ async def play_episode(
         turns=tuple(st.turns),
         reward=st.reward,
         success=False if failed else bool(st.last_info.get("success", False)),
-        metrics=_numeric(st.last_info),
+        metrics=metrics,
         end_reason=st.end_reason or "engine_error",
         error=st.error,
         policy=policy_name,

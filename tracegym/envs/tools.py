@@ -43,6 +43,7 @@ import pydantic
 import typing_extensions
 
 from tracegym.envs.base import Env, Task
+from tracegym.envs.rewards import RewardParts
 from tracegym.types import Message, StepResult, ToolCall
 
 __all__ = [
@@ -411,6 +412,13 @@ class ToolEnv(Env):
     :meth:`tool_bookkeeping` and :meth:`restore_tool_bookkeeping`. An env refuses to branch while a
     timed-out sync tool call still runs in its thread, and MCP-backed envs (:class:`MCPToolEnv`)
     refuse: their servers' state lives in other processes.
+
+    Reward parts (``tracegym.envs.rewards``): a subclass that splits its reward declares
+    ``offered_reward_parts`` (the outcome part first) and passes its ``reward_parts`` option to
+    ``__init__``. The outcome part's value is the reward of :meth:`end_episode` / :meth:`on_text`;
+    other parts are earned during a step by :meth:`earn` (from a tool) or returned by
+    :meth:`step_reward_parts` (parts of the step as a whole). With the option unset the reward is
+    the outcome reward, exactly as without parts, and no parts are reported.
     """
 
     #: The attributes of this class's per-episode bookkeeping (part of every snapshot).
@@ -420,11 +428,18 @@ class ToolEnv(Env):
 
     default_max_turns: int = 10
     default_max_tool_output_chars: int = 16_000
+    #: The reward parts this env can split its reward into, each with the range of one step's
+    #: unweighted value; the first is the outcome part. Empty: the env has no parts.
+    offered_reward_parts: typing.ClassVar[dict[str, tuple[float, float]]] = {}
 
-    def __init__(self, max_turns: int | None = None, max_tool_output_chars: int | None = None) -> None:
+    def __init__(
+        self, max_turns: int | None = None, max_tool_output_chars: int | None = None,
+        reward_parts: typing.Mapping[str, float] | None = None,
+    ) -> None:
         """``max_turns``: assistant turns before the episode is truncated (None: ``default_max_turns``).
         ``max_tool_output_chars``: longest tool message content kept, in characters, marker aside
-        (None: ``default_max_tool_output_chars``, 16,000; 0: no limit)."""
+        (None: ``default_max_tool_output_chars``, 16,000; 0: no limit). ``reward_parts``: the
+        subclass's env option ``{part: weight}`` (None: parts off)."""
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_tool_output_chars is not None and max_tool_output_chars < 0:
@@ -433,6 +448,10 @@ class ToolEnv(Env):
         self.max_tool_output_chars: int = (
             max_tool_output_chars if max_tool_output_chars is not None else self.default_max_tool_output_chars
         )
+        self.reward_parts: RewardParts | None = RewardParts.from_option(reward_parts, self.offered_reward_parts)
+        if self.reward_parts is not None:
+            # Weights scale the step reward, so the range check_env holds steps to scales with them.
+            self.reward_range = self.reward_parts.step_range(self.offered_reward_parts)  # type: ignore[misc]
         self._begin_episode()
         self._episode_started = False
 
@@ -463,6 +482,7 @@ class ToolEnv(Env):
             "parse_errors": 0,
             "tool_output_truncated": 0,
         }
+        self._earned: dict[str, float] = {}
 
     # -- branching --
 
@@ -509,6 +529,20 @@ class ToolEnv(Env):
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [tool_schema(fn) for fn in self.tool_functions().values()]
+
+    def earn(self, part: str, value: float) -> None:
+        """Add ``value`` (unweighted) to reward part ``part`` of the current step; a no-op when the
+        part is not enabled by the ``reward_parts`` option, so tools may call it unconditionally."""
+        if part not in self.offered_reward_parts:
+            raise ValueError(f"{type(self).__name__} does not offer reward part {part!r}")
+        if self.reward_parts is not None and part in self.reward_parts:
+            self._earned[part] = self._earned.get(part, 0.0) + float(value)
+
+    def step_reward_parts(self) -> dict[str, float]:
+        """Parts earned by the step as a whole, called once at the end of every step while parts
+        are enabled, after its tool calls (or final answer) ran. Default: none. Override it for parts
+        that compare the state before and after the step (potential-based shaping)."""
+        return {}
 
     def end_episode(self, reward: float, success: bool, **info: Any) -> None:
         """Called by a tool: the episode ends after the current call with this reward."""
@@ -564,6 +598,7 @@ class ToolEnv(Env):
         if self.done:
             raise RuntimeError(f"{type(self).__name__}.step called after the episode ended; call reset(task)")
         self.turn += 1
+        self._earned = {}
         out: list[Message] = []
         for problem in parse_errors:
             self.counters["parse_errors"] += 1
@@ -594,6 +629,12 @@ class ToolEnv(Env):
             reward, terminated, info = outcome.reward, outcome.terminated, dict(outcome.info)
             limit_hit = outcome.truncated
 
+        if self.reward_parts is not None:
+            earned = {**self._earned, self.reward_parts.outcome: reward}
+            for part, value in self.step_reward_parts().items():
+                earned[part] = earned.get(part, 0.0) + value
+            reward = self.reward_parts.reward(earned)
+            info = {**info, **self.reward_parts.info(earned)}
         # Never both: a task that ended on the last allowed turn is terminated, not truncated.
         truncated = not terminated and (limit_hit or self.turn >= self.max_turns)
         self.done = terminated or truncated

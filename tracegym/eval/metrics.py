@@ -35,10 +35,12 @@ __all__ = [
     "assistant_turns",
     "bootstrap_ci",
     "bootstrap_ci_matrix",
+    "bootstrap_ci_seeds_tasks",
     "group_by_task",
     "injection_figures",
     "mean_pass_at_k",
     "paired_bootstrap_diff",
+    "paired_seeds_tasks_bootstrap_diff",
     "pass_at_k",
     "pass_at_k_t",
     "pass_at_k_t_per_task",
@@ -241,6 +243,84 @@ def paired_bootstrap_diff(
     diffs = np.array([pass_at_k(*b[t], k) - pass_at_k(*a[t], k) for t in shared])
     low, high = bootstrap_ci(diffs, n_resamples, confidence, seed)
     return float(diffs.mean()), low, high, len(shared)
+
+
+
+# --- several training seeds evaluated on the same tasks ------------------------------------------
+#
+# One table per method, rows = training seeds, columns = held-out tasks (the same tasks for every
+# seed), cells = a per-task statistic such as pass@1. Both axes are samples: the tasks of the test
+# set, and the seeds of the training runs that could have been. The bootstrap below draws rows and
+# columns with replacement independently (a crossed two-way bootstrap), so its interval holds the
+# spread between seeds as well as the task sampling. With 2 or 3 seeds the seed draw has only a few
+# distinct outcomes: the interval is wide and coarse, which is what so few seeds can tell.
+
+
+def _resample_counts(rng: np.random.Generator, size: int, n_resamples: int) -> np.ndarray:
+    """How often each of ``size`` items is drawn in each of ``n_resamples`` draws with replacement: (B, size)."""
+    return rng.multinomial(size, np.full(size, 1.0 / size), size=n_resamples).astype(np.float64)
+
+
+def _resampled_means(table: np.ndarray, seed_counts: np.ndarray, task_counts: np.ndarray) -> np.ndarray:
+    """Mean of ``table`` (seeds, tasks) under each resample's row and column counts: (B,)."""
+    n_seeds, n_tasks = table.shape
+    return np.einsum("bs,st,bt->b", seed_counts, table, task_counts) / (n_seeds * n_tasks)
+
+
+def _percentile_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    alpha = (1.0 - confidence) / 2.0
+    return float(np.quantile(values, alpha)), float(np.quantile(values, 1.0 - alpha))
+
+
+def _check_bootstrap_args(n_resamples: int, confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+
+
+def _seeds_by_tasks(table: Any, name: str) -> np.ndarray:
+    table = np.asarray(table, dtype=np.float64)
+    if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] < 1:
+        raise ValueError(f"{name} must be a (seeds, tasks) table with at least one of each, got shape {table.shape}")
+    return table
+
+
+def bootstrap_ci_seeds_tasks(
+    per_seed_task: Any, n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of a (seeds, tasks) table, resampling seeds
+    (rows) and tasks (columns) with replacement, independently of each other."""
+    _check_bootstrap_args(n_resamples, confidence)
+    table = _seeds_by_tasks(per_seed_task, "per_seed_task")
+    rng = np.random.default_rng(seed)
+    seed_counts = _resample_counts(rng, table.shape[0], n_resamples)
+    task_counts = _resample_counts(rng, table.shape[1], n_resamples)
+    return _percentile_interval(_resampled_means(table, seed_counts, task_counts), confidence)
+
+
+def paired_seeds_tasks_bootstrap_diff(
+    a: Any, b: Any, n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """mean(b) - mean(a) of two (seeds, tasks) tables whose columns are the same tasks, with a
+    percentile bootstrap interval; returns (difference, low, high).
+
+    Paired over tasks: each resample draws one set of task columns for both tables, which removes
+    the task-difficulty variance both share. Seeds are not paired: seed s of one method and seed s
+    of another are unrelated training runs, so each table's rows are resampled on their own (the
+    tables may have different numbers of seeds)."""
+    _check_bootstrap_args(n_resamples, confidence)
+    a = _seeds_by_tasks(a, "a")
+    b = _seeds_by_tasks(b, "b")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"the tables must have the same task columns, got {a.shape[1]} and {b.shape[1]} tasks")
+    rng = np.random.default_rng(seed)
+    task_counts = _resample_counts(rng, a.shape[1], n_resamples)
+    seed_counts_a = _resample_counts(rng, a.shape[0], n_resamples)
+    seed_counts_b = _resample_counts(rng, b.shape[0], n_resamples)
+    diffs = _resampled_means(b, seed_counts_b, task_counts) - _resampled_means(a, seed_counts_a, task_counts)
+    low, high = _percentile_interval(diffs, confidence)
+    return float(b.mean() - a.mean()), low, high
 
 
 

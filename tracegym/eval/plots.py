@@ -23,6 +23,7 @@ from tracegym.types import Trajectory
 __all__ = [
     "compare_figure",
     "figure_png",
+    "health_figure",
     "pass_at_k_figure",
     "pass_at_kt_heatmap",
     "save_figure",
@@ -204,6 +205,45 @@ def training_curves_figure(
         if idx // cols == nrows - 1:
             ax.set_xlabel(x_key or "record", fontsize=8)
     for idx in range(len(keys), nrows * cols):
+        axes[idx // cols][idx % cols].set_visible(False)
+    return fig
+
+
+def health_figure(
+    rows: Sequence[Mapping[str, Any]], panels: Sequence[Mapping[str, Any]], x_key: str | None = None
+) -> Figure:
+    """The "RL health" figure: one panel per signal against ``x_key`` (the row index when None).
+
+    Each panel is a mapping with ``title``, ``key`` (the metric plotted) and optionally
+    ``threshold`` (drawn as a dashed horizontal line) with ``threshold_label`` (its legend text).
+    """
+    if not panels:
+        raise ValueError("health_figure needs at least one panel")
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig = _new_figure(3.6 * cols, 2.6 * nrows)
+    axes = fig.subplots(nrows, cols, squeeze=False)
+    for idx, panel in enumerate(panels):
+        ax = axes[idx // cols][idx % cols]
+        xs, ys = [], []
+        for i, row in enumerate(rows):
+            y = row.get(panel["key"])
+            x = row.get(x_key, i) if x_key else i
+            if _is_number(y) and _is_number(x):
+                xs.append(float(x))
+                ys.append(float(y))
+        ax.plot(xs, ys, linewidth=1.2, marker="o" if len(ys) <= 30 else None, markersize=3, color="#264653")
+        threshold = panel.get("threshold")
+        if _is_number(threshold):
+            ax.axhline(float(threshold), color="#c4320a", linestyle="--", linewidth=1.0,
+                       label=panel.get("threshold_label") or f"threshold {threshold:g}")
+            ax.legend(fontsize=7, loc="best")
+        ax.set_title(f"{panel['title']}  ({panel['key']})", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+        if idx // cols == nrows - 1:
+            ax.set_xlabel(x_key or "record", fontsize=8)
+    for idx in range(len(panels), nrows * cols):
         axes[idx // cols][idx % cols].set_visible(False)
     return fig
 

@@ -5,6 +5,9 @@
 - every ``config.yaml`` (the run's own first, then those of sub-runs such as ``sft/`` and ``rl/``),
 - training curves from every ``metrics.jsonl`` (whichever numeric keys exist: reward, loss, KL,
   entropy, ...),
+- an "RL health" figure for every ``metrics.jsonl`` that logged health signals (``HEALTH_PANELS``:
+  within-group reward std, informative groups, entropy, policy drift, probe NLL, prompt/response
+  MI), with the warning thresholds of the run's config as dashed lines,
 - evaluation tables and plots from every ``eval.json`` (e.g. ``{base,sft,rl}/eval.json``),
 - a sample of trajectories from every JSONL file of trajectories: the conversation with tool calls
   and results, reward and end reason, and, given a decode function, the exact tokens of each turn
@@ -31,8 +34,8 @@ from tracegym.eval.evaluate import EVAL_FILE, atomic_write_text, load_eval
 from tracegym.eval.metrics import assistant_turns
 from tracegym.types import Message, Trajectory, read_json_rows
 
-__all__ = ["EVAL_COLUMNS", "INJECTION_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer",
-           "find_run_files", "has_injection", "render_report"]
+__all__ = ["EVAL_COLUMNS", "HEALTH_PANELS", "INJECTION_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer",
+           "find_run_files", "has_injection", "health_thresholds", "render_report"]
 
 REPORT_FILE = "report.html"
 CONFIG_FILE = "config.yaml"
@@ -180,6 +183,96 @@ def _training_section(files: RunFiles, root: Path) -> list[dict[str, Any]]:
             entry["last"] = [(k, _fmt(last.get(k))) for k in keys]
             entry["last_step"] = last.get("step", len(rows) - 1)
         out.append(entry)
+    return out
+
+
+# The panels of the "RL health" figure (tracegym/train/health.py, docs/algorithms.md "Health
+# monitors"): (title, metric keys in order of preference). A panel plots the first key the rows hold
+# and is left out when they hold none; entropy and drift are also read under the keys the RL loop
+# and tracegym/train/drift.py log them as.
+HEALTH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward std within groups", ("health/reward_std",)),
+    ("groups with signal", ("health/informative_groups",)),
+    ("entropy", ("health/entropy", "train/entropy")),
+    ("policy drift KL", ("health/drift_kl", "drift/kl")),
+    ("probe NLL", ("health/probe_nll", "drift/probe_nll")),
+    ("MI(prompt; response)", ("health/mi",)),
+)
+# train/entropy is logged by every RL run: alone it does not make a health section
+_HEALTH_TRIGGERS = {key for _, keys in HEALTH_PANELS for key in keys} - {"train/entropy"}
+
+
+def _find_key(tree: Any, name: str) -> Any:
+    """The value of the first ``name`` key anywhere in a nested config mapping (None if absent)."""
+    if isinstance(tree, Mapping):
+        if name in tree:
+            return tree[name]
+        for value in tree.values():
+            found = _find_key(value, name)
+            if found is not None:
+                return found
+    return None
+
+
+def health_thresholds(config: Mapping[str, Any] | None) -> dict[str, tuple[float, str]]:
+    """Metric key -> (threshold, legend text) for the health figure, from a run's config dict.
+
+    ``health.min_reward_std`` and ``health.min_mutual_information`` (``HealthConfig``); when the
+    config has no ``health`` section, ``HealthConfig``'s defaults, labelled as defaults; a threshold
+    set to None draws no line. The drift panel gets ``max_policy_drift`` where the config sets one.
+    """
+    from tracegym.train.health import HealthConfig
+
+    section = (config or {}).get("health")
+    source = "default " if not isinstance(section, Mapping) else ""
+    section = section if isinstance(section, Mapping) else HealthConfig().model_dump()
+    out: dict[str, tuple[float, str]] = {}
+    for key, field in (("health/reward_std", "min_reward_std"), ("health/mi", "min_mutual_information")):
+        value = section.get(field)
+        if _is_number(value):
+            out[key] = (float(value), f"{source}{field} {value:g}")
+    cap = _find_key(config or {}, "max_policy_drift")
+    if _is_number(cap):
+        for key in ("health/drift_kl", "drift/kl"):
+            out[key] = (float(cap), f"max_policy_drift {cap:g}")
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    """The YAML mapping in ``path`` (None when missing or unreadable: the report never fails on it)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _health_section(files: RunFiles, root: Path) -> list[dict[str, Any]]:
+    """One "RL health" entry per metrics file that logged a health signal: its figure and, per
+    panel, the last value and the threshold. Thresholds come from the config.yaml next to it."""
+    from tracegym.eval.plots import health_figure
+
+    out = []
+    for path in files.metrics:
+        rows, _ = _read_json_lines(path)
+        present = {k for row in rows for k, v in row.items() if _is_number(v)}
+        if not present & _HEALTH_TRIGGERS:
+            continue
+        thresholds = health_thresholds(_read_config(path.parent / CONFIG_FILE))
+        panels = []
+        for title, keys in HEALTH_PANELS:
+            key = next((k for k in keys if k in present), None)
+            if key is None:
+                continue
+            threshold, label = thresholds.get(key, (None, ""))
+            last = next((row[key] for row in reversed(rows) if _is_number(row.get(key))), None)
+            panels.append({"title": title, "key": key, "threshold": threshold, "threshold_label": label,
+                           "last": _fmt(last), "threshold_text": label or "–"})
+        x_key = "step" if any(_is_number(r.get("step")) for r in rows) else None
+        out.append({"label": _label(path, root), "path": _rel(path, root), "panels": panels,
+                    "plot": _figure_uri(health_figure(rows, panels, x_key=x_key))})
     return out
 
 
@@ -453,6 +546,7 @@ def render_report(
         generated=_dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         configs=_config_section(files, root),
         training=_training_section(files, root),
+        health=_health_section(files, root),
         evals=evals,
         eval_columns=EVAL_COLUMNS + (INJECTION_COLUMNS if any(has_injection(e.get("summary", {})) for e in evals) else []),
         overlay=overlay,

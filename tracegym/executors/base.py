@@ -162,11 +162,11 @@ class Executor(ABC):
         before their next batch for the others)."""
 
     def metrics(self) -> dict[str, float]:
-        """``async/*`` figures since the last call (empty for ``local``)."""
+        """``async/*`` figures since the last call (``local``: ``curriculum/*`` with ``tasks.curriculum``, else none)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the executor (the staleness state)."""
+        """What a checkpoint keeps of the executor (the staleness state; ``local``: the curriculum's estimates)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -82,13 +82,30 @@ class DemoConfig(_Section):
     rl_group_size: int = Field(6, gt=0)
     """Samples per task in an RL group (GRPO's group)."""
 
-    rl_lr: float = Field(2e-4, gt=0)
-    """RL learning rate (LoRA)."""
+    rl_lr: float | None = Field(None, gt=0)
+    """RL learning rate (LoRA). None: derived from ``sft_lr`` and the episodes per step by
+    ``tracegym.train.optim.rl_learning_rate`` (``sft_lr / 8 * sqrt(episodes / 64)``, at most
+    ``sft_lr / 4``): 3.75e-5 for 3e-4 and 8 x 8 episodes. At 2/3 of the SFT rate (the round-2 demo's
+    2e-4) RL lost 0.28 pass@1 from a 0.675 SFT start (docs/algorithms.md, "Why RL lost the strong start")."""
 
-    rl_warmup_steps: int = Field(0, ge=0)
-    """RL steps of linear learning-rate warmup (0: full rate from the first step). RL starts a fresh
-    Adam, whose first updates move every weight by about the learning rate whatever the gradient's
-    size. The 3-call run that gained over SFT used 4 (README, "RL above SFT on 3-call problems")."""
+    rl_warmup_steps: int = Field(2, ge=0)
+    """RL steps of linear learning-rate warmup; step k of N runs at k/(N+1) of the rate, so the
+    first one already moves. RL starts a fresh Adam, whose first updates move every weight by about
+    the learning rate whatever the gradient's size."""
+
+    rl_guidance: bool = True
+    """LUFFY guidance: a group whose samples all failed gets the env's expert trajectory (with
+    LUFFY's shaped importance weight) before advantages, so it carries signal (``RLConfig.guidance``)."""
+
+    rl_reward_parts: dict[str, float] | None = Field(default_factory=lambda: {"answer": 1.0, "calls": 0.3})
+    """Reward parts of the RL env (``env_options`` + ``reward_parts``; docs/environments.md, "Reward
+    parts"): the calculator's ``calls`` part pays 1/n for each call that reproduces a reference
+    intermediate result, so groups whose final answers all agree still rank their episodes. The
+    evaluations score the final answer only. None: the env's default (the answer alone)."""
+
+    rl_max_policy_drift: float | None = Field(0.02, gt=0)
+    """Trust region of each RL update (``RLConfig.max_policy_drift``): KL(pi_old || pi_new) per
+    sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02). None: off."""
 
     micro_batch_size: int = Field(1, gt=0)
     """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
@@ -99,7 +116,11 @@ class DemoConfig(_Section):
     """LoRA rank of both training stages."""
 
     seed: int = 0
-    """Seed of task draws, sampling and training."""
+    """Seed of sampling and training, and of the task draws unless ``task_seed`` is set."""
+
+    task_seed: int | None = None
+    """Seed of the task draws (expert train tasks, RL train tasks, held-out test tasks); None: ``seed``.
+    ``tracegym demo --seeds`` pins it, so every seed is judged on the same test tasks."""
 
     output_dir: str = "runs/demo"
     """Where every stage writes."""
@@ -132,7 +153,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     # 1. expert data (train split of the SFT task family)
     _stage(f"1/6 scripted expert on {cfg.expert_tasks} {cfg.env} train tasks {cfg.sft_env_options}", started)
-    train_tasks = make(cfg.env, **cfg.sft_env_options).tasks("train", cfg.expert_tasks, cfg.seed)
+    task_seed = cfg.seed if cfg.task_seed is None else cfg.task_seed
+    train_tasks = make(cfg.env, **cfg.sft_env_options).tasks("train", cfg.expert_tasks, task_seed)
     with TrajectoryWriter(out / "expert" / "trajectories.jsonl") as writer:
         expert = run_rollouts_sync(cfg.env, train_tasks, "expert", renderer,
                                    RolloutConfig(max_turns=8, max_tokens_per_turn=256, seed=cfg.seed),
@@ -140,7 +162,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                    policy_name="expert")
     print(f"expert success rate {expert.stats.success_rate:.3f} on {expert.stats.episodes} episodes")
 
-    test_tasks = make(cfg.env, **cfg.env_options).tasks("test", cfg.test_tasks, cfg.seed)
+    test_tasks = make(cfg.env, **cfg.env_options).tasks("test", cfg.test_tasks, task_seed)
     summaries: dict[str, dict[str, Any]] = {}
 
     def evaluate(label: str, model_path: str) -> None:
@@ -215,18 +237,30 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
     return RLConfig(
         model=ModelConfig(name=cfg.model, adapter=str(sft_adapter)),
         lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
-        optim=OptimConfig(lr=cfg.rl_lr, warmup_steps=cfg.rl_warmup_steps, schedule="constant"),
-        env={"name": cfg.env, "options": cfg.env_options},
-        tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0, "seed": cfg.seed},
+        optim=OptimConfig(lr=demo_rl_lr(cfg), warmup_steps=cfg.rl_warmup_steps, schedule="constant"),
+        env={"name": cfg.env, "options": {**cfg.env_options,
+                                          **({"reward_parts": cfg.rl_reward_parts} if cfg.rl_reward_parts else {})}},
+        tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0,
+               "seed": cfg.seed if cfg.task_seed is None else cfg.task_seed},
         tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
         rollout={"max_turns": max(cfg.eval_turns), "max_tokens_per_turn": cfg.max_tokens_per_turn,
                  "temperature": cfg.temperature, "concurrency": 64},
         advantage={"estimator": "grpo"},
         policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
-        eval={"every": 0, "at_start": False}, seed=cfg.seed, output_dir=str(output_dir),
+        guidance={} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
+        eval={"every": 0, "at_start": False, "temperature": cfg.temperature}, seed=cfg.seed, output_dir=str(output_dir),
         checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
     )
+
+
+def demo_rl_lr(cfg: DemoConfig) -> float:
+    """``rl_lr``, or the rate derived from the SFT rate and the episodes per step."""
+    from tracegym.train.optim import rl_learning_rate
+
+    if cfg.rl_lr is not None:
+        return cfg.rl_lr
+    return rl_learning_rate(cfg.sft_lr, cfg.rl_tasks_per_step * cfg.rl_group_size)
 
 
 def _clear_run_dir(path: Path) -> None:

@@ -232,18 +232,51 @@ def reference_policy(model: torch.nn.Module, reference: torch.nn.Module | None) 
                 yield model
 
 
+def _task_part(prompt: tuple[int, ...], other: tuple[int, ...]) -> int:
+    """Length of ``prompt`` without the suffix it shares with ``other`` (the generation prompt and
+    whatever else both end with): ``prompt[:n]`` is the system text plus this trajectory's task."""
+    shared_prefix = 0
+    for a, b in zip(prompt, other):
+        if a != b:
+            break
+        shared_prefix += 1
+    suffix = 0
+    limit = min(len(prompt), len(other)) - shared_prefix  # the suffix never overlaps the shared prefix
+    while suffix < limit and prompt[-1 - suffix] == other[-1 - suffix]:
+        suffix += 1
+    return len(prompt) - suffix
+
+
 def mismatched_sequence(prompt_from: TrajectoryTokens, continuation_from: TrajectoryTokens) -> TrajectoryTokens:
-    """KTO's ``(x, y')``: the first prompt of one trajectory followed by another's continuation (its
-    first example after its own first prompt, masks and weights kept)."""
-    example = continuation_from.examples[0]
-    cut, prompt = len(continuation_from.first_prompt), prompt_from.first_prompt
-    ids = prompt + example.input_ids[cut:]
-    mismatched = TrainingExample(
-        input_ids=ids, loss_mask=(0,) * len(prompt) + example.loss_mask[cut:],
-        weights=(0.0,) * len(prompt) + example.weights[cut:], advantages=(0.0,) * len(ids), logprobs=(0.0,) * len(ids),
-        source=f"{example.source}:mismatched",
-    )
-    return TrajectoryTokens((mismatched,), prompt)
+    """KTO's ``(x, y')``: the task of one trajectory (``x``, from its first prompt) followed by another
+    trajectory's whole continuation ``y'`` (every example of it, masks and weights kept).
+
+    A template that rewrote history (Qwen3's) splits ``y'`` into several examples, each starting with
+    its own re-rendered history; all of them count, else ``z0`` would come from a truncated ``y'``.
+    In each, the task part of ``y'``'s first prompt (its first prompt minus the suffix the two first
+    prompts share, e.g. the generation prompt, which a re-rendered history may show differently) is
+    replaced by ``x``'s. For the first example this is ``x + y'[len(x'):]``.
+
+    Raises ``ValueError`` when an example of ``y'`` does not start with that task part, or trains on a
+    token inside it (a renderer whose history rewrites the task itself)."""
+    old_prompt, new_prompt = continuation_from.first_prompt, prompt_from.first_prompt
+    old_task = old_prompt[: _task_part(old_prompt, new_prompt)]
+    new_task = new_prompt[: _task_part(new_prompt, old_prompt)]
+    cut, added = len(old_task), len(new_task)
+    examples = []
+    for example in continuation_from.examples:
+        if example.input_ids[:cut] != old_task or any(example.loss_mask[:cut]):
+            raise ValueError(
+                f"KTO mismatched pair: example {example.source!r} does not start with its trajectory's first prompt "
+                "(up to the generation prompt) as untrained context, so the other task cannot be swapped in"
+            )
+        ids = new_task + example.input_ids[cut:]
+        examples.append(TrainingExample(
+            input_ids=ids, loss_mask=(0,) * added + example.loss_mask[cut:],
+            weights=(0.0,) * added + example.weights[cut:], advantages=(0.0,) * len(ids), logprobs=(0.0,) * len(ids),
+            source=f"{example.source}:mismatched",
+        ))
+    return TrajectoryTokens(tuple(examples), new_prompt)
 
 
 def batch_reference_point(model: torch.nn.Module, reference: torch.nn.Module | None, items: Sequence[PreferenceItem],

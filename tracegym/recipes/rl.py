@@ -72,6 +72,9 @@ from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout_branches import score_mc_continuation
 from tracegym.rollout_tree import run_tree_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
+from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
+from tracegym.train.guidance import GUIDANCE_KEY, add_guidance, collect_guides, guidance_rows, needs_guidance, shape_guidance
+from tracegym.train.health import HealthMonitor, group_health, mutual_information_proxy
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters, is_peft_model, prepare_model, starting_reference
@@ -156,8 +159,9 @@ def injection_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[s
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[RolloutResult]) -> dict[str, float]:
-    """Rewards, episode shape, env failures and sampling speed of this step's rollouts."""
-    episodes: list[Trajectory] = [t for g in groups for t in g.trajectories]
+    """Rewards, episode shape, env failures and sampling speed of this step's rollouts (the policy's
+    own episodes: guidance trajectories are counted in ``guidance/groups``, not here)."""
+    episodes: list[Trajectory] = [t for g in groups for t in g.trajectories if not t.info.get(GUIDANCE_KEY)]
     rewards = [t.reward for t in episodes]
     mean = lambda values: float(statistics.fmean(values)) if values else 0.0  # noqa: E731
     metrics = {
@@ -167,6 +171,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         "episode/turns": mean([len(t.turns) for t in episodes]),
         "episode/generated_tokens": mean([t.num_generated_tokens for t in episodes]),
         "env/errors": float(sum(r.stats.failed for r in results)),
+        **reward_part_metrics(episodes),
         "rollout/tokens_per_s": mean([r.stats.tokens_per_s for r in results]),
         "rollout/generated_tokens": float(sum(r.stats.generated_tokens for r in results)),  # what the engine sampled
         **injection_metrics(episodes, "attack/"),
@@ -180,6 +185,71 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
             metrics["logprob_gap/mean"] = r.stats.logprob_gap.mean
             metrics["logprob_gap/max"] = max(metrics.get("logprob_gap/max", 0.0), r.stats.logprob_gap.max)
     return metrics
+
+
+def drop_overlong(
+    groups: Sequence[TrajectoryGroup], tasks: Sequence[Any], renderer: Any, max_length: int,
+) -> tuple[list[TrajectoryGroup], list[Any], int]:
+    """Leave out, before any advantage exists, every episode with a training example longer than
+    ``max_length`` tokens; returns the kept groups, their tasks and the number of episodes left out.
+
+    Why before: dropped after estimation, a group's kept advantages no longer sum to 0, and the
+    episodes that run long are mostly failures, so the kept rows would be biased upwards. A group
+    left with no episode goes, with its task."""
+    kept_groups, dropped = [], 0
+    for group in groups:
+        kept = tuple(t for t in group.trajectories
+                     if all(len(e) <= max_length for e in renderer.build_examples(t)))
+        dropped += len(group.trajectories) - len(kept)
+        if kept:
+            kept_groups.append(group if len(kept) == len(group.trajectories)
+                               else group.model_copy(update={"trajectories": kept}))
+    present = {g.task_id for g in kept_groups}
+    return kept_groups, [t for t in tasks if t.id in present], dropped
+
+
+def reward_part_metrics(episodes: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean of every named reward part (``reward/<part>`` in ``Trajectory.metrics``, unweighted,
+    summed over the episode; docs/environments.md, "Reward parts") over the episodes that have it."""
+    sums: dict[str, list[float]] = {}
+    for t in episodes:
+        for key, value in t.reward_parts.items():
+            sums.setdefault(f"reward/{key}", []).append(float(value))
+    return {key: float(statistics.fmean(values)) for key, values in sorted(sums.items())}
+
+
+def guide_groups(
+    groups: Sequence[TrajectoryGroup], tasks: Sequence[Any], cfg: RLConfig, renderer: Any, seed: int,
+) -> tuple[list[TrajectoryGroup], int]:
+    """With ``guidance``: the env's expert trajectory joins each group whose samples all failed
+    (before advantages: the group then carries signal and still sums to 0). Returns the groups and
+    the number guided."""
+    if cfg.guidance is None:
+        return list(groups), 0
+    chosen = needs_guidance(groups, cfg.guidance)
+    if not chosen:
+        return list(groups), 0
+    wanted = {groups[g].task_id for g in chosen}
+    env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
+    guides = collect_guides(env, [t for t in tasks if t.id in wanted], renderer, cfg.rollout.settings(),
+                            env_options=env_options, seed=seed)
+    return add_guidance(groups, guides)
+
+
+def probe_examples(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> list[Any]:
+    """The fixed probe set of ``drift/probe_nll``: the env's expert on the first ``health.probe_tasks``
+    train tasks, as training examples; [] when off or when the env has no expert."""
+    if not cfg.health.probe_tasks:
+        return []
+    env, env_options = env_source(cfg.env.name, cfg.env.options, None)
+    try:
+        guides = collect_guides(env, list(train_tasks)[: cfg.health.probe_tasks], renderer, cfg.rollout.settings(),
+                                env_options=env_options, seed=cfg.seed + 31)
+    except (NotImplementedError, AttributeError) as error:  # an env without a scripted expert
+        log.info("no probe set (drift/probe_nll off): %s", error)
+        return []
+    examples = [e for t in guides.values() if t.success for e in renderer.build_examples(t)]
+    return [e for e in examples if len(e) <= cfg.max_length]
 
 
 def kl_in_reward(
@@ -350,6 +420,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps * cfg.ppo_epochs)
 
     step, cursor = 0, 0  # cursor: task slots consumed so far (more than steps x tasks_per_step with resampling)
+    health_monitor = HealthMonitor.from_config(cfg.health)
+    probe = build_probe(probe_examples(cfg, train_tasks, renderer), pad_id)
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
     if restored is not None:
@@ -358,6 +430,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
         step = restored.step
         cursor = int(restored.state.get("task_cursor", step * cfg.tasks_per_step))
+        health_monitor.load_state_dict(restored.state.get("health", {}))
         sampler.update_weights(model)
     trainable, total = count_parameters(model)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
@@ -365,7 +438,10 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     history: list[dict[str, Any]] = []
     eval_seed = cfg.seed + 1_000_003
     if step == 0:
-        row = {"params/trainable": trainable, "params/total": total}
+        row = {"params/trainable": trainable, "params/total": total, "rollout/temperature": cfg.rollout.temperature,
+               "eval/temperature": cfg.eval.temperature}
+        if probe is not None:
+            row["drift/probe_nll"] = probe_nll(model, probe, cfg.micro_batch_size)
         if test_tasks and cfg.eval.at_start:
             row.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))
         history.append(logger.log(0, row))
@@ -376,6 +452,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     # where rollouts come from: this loop (local), a rollout thread or Ray actors (docs/scale.md);
     # the policy version is the number of updates applied, so it starts at the step resumed at
     executor = make_executor(cfg, model, tokenizer, renderer, sampler, train_tasks, version=step, gap_model=gap_model)
+    if restored is not None:  # the executor's own state (the curriculum's pass-rate estimates)
+        executor.load_state_dict(restored.state.get("executor", {}))
     final_dir = None
     try:
         while step < cfg.steps:
@@ -384,6 +462,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             #    version); with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
             groups, results, advantages, weights, rounds, estimator_metrics = [], [], [], [], 0, []
+            dropped_too_long, guided_groups = 0, 0
             stale = False  # sampled by an older policy version (an asynchronous executor ran ahead)
             try:
                 while True:
@@ -394,6 +473,13 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     if writer is not None:
                         writer.write_all(result.trajectories)
                     seed = batch_seed(cfg.seed, step, rounds)
+                    # over-long episodes leave their groups before the estimator sees them (their
+                    # advantages would not sum to 0 over the rows that train)
+                    new, tasks, overlong = drop_overlong(new, tasks, renderer, cfg.max_length)
+                    dropped_too_long += overlong
+                    # groups whose samples all failed get the env's expert trajectory (LUFFY guidance)
+                    new, guided = guide_groups(new, tasks, cfg, renderer, seed + 7_919)
+                    guided_groups += guided
                     # 2. optional scoring steps (branching, KL in the reward, InfoPO), then one advantage per turn
                     new, estimated, kl_penalty = score_and_estimate(
                         new, tasks, cfg, loss_cfg, sampler=sampler, model=model, reference=reference, renderer=renderer,
@@ -415,6 +501,15 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                             "groups/resample_rounds": float(rounds), **executor.metrics()})
             if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                 metrics["reward/kl_penalty"] = kl_penalty
+            if cfg.guidance is not None:
+                metrics["guidance/groups"] = float(guided_groups)
+            # health: reward spread, groups with signal, and (on the policy that sampled) prompt/response MI
+            metrics.update(group_health(groups, advantages))
+            if cfg.health.mutual_information:
+                t_mi = time.perf_counter()
+                metrics.update(mutual_information_proxy(model, groups, pad_token_id=pad_id, max_pairs=cfg.health.mi_max_pairs,
+                                                        micro_batch_size=cfg.health.mi_max_pairs, temperature=temperature))
+                metrics["time/health_mi_s"] = time.perf_counter() - t_mi
             for key in sorted({k for m in estimator_metrics for k in m}):  # e.g. GiGPO's step-group size, per round
                 values = [m[key] for m in estimator_metrics if key in m]
                 metrics[f"advantage/{key}"] = sum(values) / len(values)
@@ -424,7 +519,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             data = examples_from_groups(groups, renderer, advantages, weights=weights, max_length=cfg.max_length,
                                         skip_groups=skip)
             metrics.update({"examples/count": float(len(data.examples)), "examples/template_splits": float(data.template_splits),
-                            "examples/dropped_too_long": float(data.dropped_too_long)})
+                            "examples/dropped_too_long": float(dropped_too_long + data.dropped_too_long)})
 
             # 4. update, then weight sync: the trainer's engine (it calls this very model object, so
             #    this only drops its caches) and the executor's samplers (they copy the new weights)
@@ -433,10 +528,23 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
                 batch = score_batch(model, reference, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size,
                                     temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=stale)
+                if cfg.guidance is not None:  # LUFFY's shaped importance weight on the expert's tokens
+                    batch = shape_guidance(batch, guidance_rows(groups, data.group_index, data.trajectory_index),
+                                           cfg.guidance.shaping_gamma)
+                sample = drift_rows(batch, cfg.health.drift_rows)
+                before = trainable_state(model) if cfg.max_policy_drift is not None and sample is not None else None
                 metrics.update(policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=cfg.ppo_epochs,
                                              micro_batch_size=cfg.micro_batch_size, temperature=temperature,
                                              max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
                                              train_mode=cfg.model.gradient_checkpointing))
+                # how far the update moved the policy; over max_policy_drift, a shorter step or none
+                if before is not None:
+                    metrics.update(cap_drift(model, before, sample, max_kl=cfg.max_policy_drift,
+                                             micro_batch_size=cfg.micro_batch_size, temperature=temperature))
+                elif sample is not None:
+                    metrics["drift/kl"] = measure_drift(model, sample, cfg.micro_batch_size, temperature)
+                if probe is not None:
+                    metrics["drift/probe_nll"] = probe_nll(model, probe, cfg.micro_batch_size)
                 sampler.update_weights(model)
                 metrics["train/tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(time.perf_counter() - t_train, 1e-9)
             step += 1
@@ -447,6 +555,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             # 5. evaluate, log, checkpoint
             if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
                 metrics.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))
+            for line in health_monitor.update(step, metrics):
+                log.warning(line)
+                print(f"warning: {line}", flush=True)
             if step % cfg.logging.log_every == 0 or step == cfg.steps:
                 history.append(logger.log(step, metrics))
             loss_text = f" loss {metrics['train/loss']:.4f}" if "train/loss" in metrics else ""
@@ -456,6 +567,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 return RLResult(run_dir, None, step, history)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
                 state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": cursor,
+                         "health": health_monitor.state_dict(),
                          "executor": {"kind": cfg.executor.kind, **executor.state_dict()}}
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
         final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,

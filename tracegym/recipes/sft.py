@@ -146,8 +146,9 @@ def accumulate_sft_gradients(
     batch = make_batch(examples, pad_token_id=pad_id)
     loss_sum = 0.0
     # rows of similar length share a micro-batch (each part is trimmed to its longest row), so little
-    # padding is computed; the sum over parts is the same gradient, whichever rows go together
-    for micro in split_microbatches(batch, micro_batch_size, sort_by_length=True):
+    # padding is computed; the sum over parts is the same gradient, whichever rows go together. The
+    # token-level SFT loss needs no whole trajectories per part (only sequence-level RL losses do).
+    for micro in split_microbatches(batch, micro_batch_size, sort_by_length=True, keep_trajectories=False):
         micro = micro.to(device)
         # [b, T], target-aligned; the output layer runs only from the first trained column on
         logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, first_column=micro.first_loss_column)

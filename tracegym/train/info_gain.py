@@ -41,6 +41,7 @@ observation gives ``I_t = 0`` exactly.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch
@@ -181,6 +182,11 @@ def score_info_gain(
             for t, turn in enumerate(trajectory.turns):
                 keys = pairs.get((g, i, t))
                 gain = values[unique[keys[0]]] - values[unique[keys[1]]] if keys is not None else 0.0
+                if not math.isfinite(gain):
+                    raise ValueError(
+                        f"info_gain scoring: task {group.task_id} sample {trajectory.sample_index} turn {t}: the "
+                        f"next turn's mean log-prob difference is {gain!r} (a non-finite log-prob under the policy)"
+                    )
                 turns.append(turn.model_copy(update={"metrics": {**turn.metrics, METRIC: float(gain)}}))
             trajectories.append(trajectory.model_copy(update={"turns": tuple(turns)}))
         out.append(group.model_copy(update={"trajectories": tuple(trajectories)}))

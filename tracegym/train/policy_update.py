@@ -80,7 +80,16 @@ def score_batch(
     """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss)."""
     old = None
     if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
-        old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
+        missing = ~batch.has_engine_logprobs.bool()
+        if needs_old_logprobs(batch.select(torch.nonzero(~missing).flatten()), loss_cfg, epochs=epochs, top_p=top_p,
+                              stale=stale) if bool((~missing).any()) else True:
+            old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
+        else:  # only some rows lack engine log-probs (e.g. guidance rows): score those alone
+            rows = torch.nonzero(missing).flatten()
+            scored = batch_logprobs(model, batch.select(rows), micro_batch_size, temperature=temperature)
+            old = batch.engine_logprobs.clone()
+            old[rows] = 0.0
+            old[rows, : scored.shape[1]] = scored.to(old.dtype)
     ref = None
     if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "loss":
         ref = reference_logprobs(model, reference, batch, micro_batch_size, temperature)

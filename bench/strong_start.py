@@ -1,0 +1,143 @@
+"""The experiment that decides whether RL improves a competent multi-step agent (issue "RL that
+improves a competent multi-step agent").
+
+From the SFT adapter of a finished 3-call demo run (pass@1 >= 0.6 on its held-out tasks), RL with
+the demo's RL stage as it is now (``recipes/demo.py``: learning rate derived from the SFT rate and the
+batch, 2 warmup steps whose first already moves, LUFFY guidance for all-failure groups, the
+calculator's ``calls`` reward part, a trust region on the update) for each seed, evaluated on N
+held-out tasks; prints and writes the paired RL - SFT difference of pass@1 with its 95% CI per seed,
+the solve rate per operator (SFT vs RL, paired CI per operator), and the health columns (groups
+with signal per step, guided groups, drift).
+
+    .venv/bin/python bench/strong_start.py runs/strong_sft --seeds 0,1 --test-tasks 120 \\
+        --out runs/strong_start
+
+The RL settings not given here are the demo's defaults (the demo run's own ``rl_*`` values are
+ignored: they are the settings that lost). Torch-heavy: run it alone on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+OPERATORS = ("*", "+", "-", "//", "%")
+
+
+def operators_of(task: Any) -> set[str]:
+    """The operators a calculator task's reference calls use (``{x} - 129`` -> ``-``)."""
+    found = set()
+    for template in task.data["templates"]:
+        found |= {op for op in OPERATORS if f" {op} " in template}
+    return found
+
+
+def per_operator(tasks: list[Any], sft: dict[str, Any], rl: dict[str, Any], turns: str) -> dict[str, Any]:
+    """Per operator: tasks using it, SFT and RL solve rates on them, the paired difference with its CI."""
+    from tracegym.eval.metrics import paired_bootstrap_diff
+
+    out = {}
+    for op in OPERATORS:
+        ids = [t.id for t in tasks if op in operators_of(t)]
+        if not ids:
+            continue
+        solved = {label: {i: (s["per_task"][i]["n"], s["per_task"][i]["solved"][turns]) for i in ids if i in s["per_task"]}
+                  for label, s in (("sft", sft), ("rl", rl))}
+        diff, low, high, shared = paired_bootstrap_diff(solved["sft"], solved["rl"], 1)
+        rate = {label: sum(c for _, c in v.values()) / max(sum(n for n, _ in v.values()), 1) for label, v in solved.items()}
+        out[op] = {"tasks": shared, "sft": rate["sft"], "rl": rate["rl"], "diff": diff, "ci": [low, high]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("demo_dir", type=Path, help="a finished 3-call `tracegym demo` run (train_sft/final)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seeds", default="0,1", help="RL seeds, one run each, one after another")
+    parser.add_argument("--test-tasks", type=int, default=120)
+    parser.add_argument("--eval-samples", type=int, default=None, help="samples per test task (default: the demo's)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="demo RL settings other than the defaults, e.g. rl_steps=10 rl_tasks_per_step=8")
+    args = parser.parse_args()
+
+    from tracegym.config import load_config
+    from tracegym.envs import make
+    from tracegym.models import load_tokenizer
+    from tracegym.recipes.demo import DemoConfig, compare_summaries, demo_rl_lr, evaluate_stage, rl_stage_config
+    from tracegym.recipes.rl import train_rl
+    from tracegym.render import get_renderer
+
+    saved = json.loads((args.demo_dir / "demo_config.json").read_text(encoding="utf-8"))
+    kept = {k: v for k, v in saved.items() if not k.startswith("rl_")}  # the RL settings are today's defaults
+    if args.eval_samples:
+        kept["eval_samples"] = args.eval_samples
+        kept["eval_ks"] = [k for k in kept.get("eval_ks", [1]) if k <= args.eval_samples]
+    demo = load_config(DemoConfig, data={**kept, "test_tasks": args.test_tasks}, overrides=list(args.set))
+    sft_adapter = args.demo_dir / "train_sft" / "final"
+    if not (sft_adapter / "adapter_config.json").is_file():
+        raise SystemExit(f"{sft_adapter} holds no adapter: {args.demo_dir} is not a finished demo run")
+    renderer = get_renderer(demo.model, load_tokenizer(demo.model))
+    test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
+    turns = str(max(demo.eval_turns))
+
+    sft_dir = args.out / f"sft_test{demo.test_tasks}x{demo.eval_samples}"
+    if not (sft_dir / "eval.json").is_file():
+        started = time.perf_counter()
+        evaluate_stage(demo, test_tasks, renderer, sft_adapter, sft_dir, "sft")
+        print(f"SFT evaluated in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
+    sft = json.loads((sft_dir / "eval.json").read_text(encoding="utf-8"))
+
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        run = args.out / f"seed_{seed}"
+        stage = demo.model_copy(update={"seed": seed})
+        cfg = rl_stage_config(stage, sft_adapter, run / "train_rl")
+        # every seed trains on the same train tasks and is judged on the same test tasks
+        cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"seed": demo.seed}),
+                                     "logging": cfg.logging.model_copy(update={"tensorboard": False})})
+        shutil.rmtree(run / "train_rl", ignore_errors=True)
+        started = time.perf_counter()
+        trained = train_rl(cfg)
+        rl_minutes = (time.perf_counter() - started) / 60
+        rows = trained.history[1:]
+        for row in rows:
+            print(f"seed {seed} step {row['step']:3d}  reward {row['reward/mean']:.3f}  calls part "
+                  f"{row.get('reward/calls', float('nan')):.3f}  groups with signal {row.get('health/informative_groups', 0):.0f}"
+                  f"/{cfg.tasks_per_step}  guided {row.get('guidance/groups', 0):.0f}  drift {row.get('drift/kl', 0):.4f}"
+                  f"  step scale {row.get('drift/step_scale', 1):.2f}  probe nll {row.get('drift/probe_nll', 0):.4f}", flush=True)
+        summary = evaluate_stage(stage.model_copy(update={"seed": demo.seed}), test_tasks, renderer, trained.final_dir,
+                                 run / "rl", "rl")
+        comparison = compare_summaries({"sft": sft, "rl": summary}, turns)
+        diff = comparison["paired_diff_pass@1"]["rl-sft"]
+        result = {
+            "seed": seed, "rl_minutes": rl_minutes, "lr": demo_rl_lr(demo), "steps": cfg.steps,
+            "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size,
+            "train_temperature": cfg.rollout.temperature, "eval_temperature": demo.temperature,
+            "sft": comparison["stages"]["sft"]["pass@1"], "sft_ci": comparison["stages"]["sft"]["pass@1_ci"],
+            "rl": comparison["stages"]["rl"]["pass@1"], "rl_ci": comparison["stages"]["rl"]["pass@1_ci"],
+            "diff": diff["diff"], "diff_ci": diff["ci"], "paired_tasks": diff["tasks"],
+            "informative_groups_per_step": [row.get("health/informative_groups", 0.0) for row in rows],
+            "guided_groups_per_step": [row.get("guidance/groups", 0.0) for row in rows],
+            "drift_kl_per_step": [row.get("drift/kl", 0.0) for row in rows],
+            "probe_nll": [row.get("drift/probe_nll") for row in trained.history],
+            "operators": per_operator(test_tasks, sft, summary, turns),
+        }
+        results.append(result)
+        (args.out / "strong_start.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+        print(f"seed {seed}: SFT {result['sft']:.3f} -> RL {result['rl']:.3f}  RL - SFT {result['diff']:+.3f} "
+              f"[{result['diff_ci'][0]:+.3f}, {result['diff_ci'][1]:+.3f}] paired over {result['paired_tasks']} tasks; "
+              f"groups with signal {sum(result['informative_groups_per_step']):.0f}/{cfg.tasks_per_step * len(rows)}; "
+              f"RL {rl_minutes:.1f} min", flush=True)
+        for op, row in result["operators"].items():
+            print(f"  {op:>2}: {row['tasks']:3d} tasks  SFT {row['sft']:.3f}  RL {row['rl']:.3f}  "
+                  f"{row['diff']:+.3f} [{row['ci'][0]:+.3f}, {row['ci'][1]:+.3f}]", flush=True)
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
