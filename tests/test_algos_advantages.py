@@ -340,8 +340,12 @@ def test_gigpo_spec_values_and_step_group_metrics():
     assert compute_advantages("gigpo", groups, {"gamma": 1.0, "leave_one_out": True}) == [[[2.0, 1.0], [-2.0, -1.0]]]
     # omega weighs the step part: omega 0 leaves Dr. GRPO's episode advantage on every turn
     assert compute_advantages("gigpo", groups, {"omega": 0.0}) == [[[0.5, 0.5], [-0.5, -0.5]]]
-    # std_norm: each part over its group's (population) std: episode std 0.5 -> +-1; s0 std 0.5 -> +-1
-    assert compute_advantages("gigpo", groups, {"gamma": 1.0, "std_norm": True, "eps": 0.0}) == [[[2.0, 1.0], [-2.0, -1.0]]]
+    # std_norm: each part over its group's sample (Bessel) std, as verl-agent's torch.std and grpo: episode R = [1, 0],
+    # centred +-0.5, std sqrt(0.5) -> +-0.7071 (the population std 0.5 gave +-1); s0 returns [1, 0] likewise
+    out = compute_advantages("gigpo", groups, {"gamma": 1.0, "std_norm": True, "eps": 0.0})
+    assert out[0] == [pytest.approx([2 ** 0.5, 0.5 ** 0.5]), pytest.approx([-(2 ** 0.5), -(0.5 ** 0.5)])]
+    # without the step part it is grpo's advantage, eps and all
+    assert compute_advantages("gigpo", groups, {"std_norm": True, "omega": 0.0}) == compute_advantages("grpo", groups)
 
 
 def test_gigpo_groups_turns_by_state_across_trajectories_and_turn_indices():
@@ -367,3 +371,69 @@ def test_turn_grpo_per_turn_returns_against_a_leave_one_out_episode_baseline():
     terminal = group_trajectories([_traj("u", k, [0.0, float(k % 3)]) for k in range(5)])
     for mine, rloo in zip(compute_advantages("turn_grpo", terminal)[0], compute_advantages("rloo", terminal)[0]):
         assert mine == pytest.approx(rloo, abs=1e-12)
+
+
+# --- uniform groups, rounding, and the episode-reward invariant ----------------------------------
+
+
+def test_turn_grpo_std_norm_treats_returns_equal_up_to_rounding_as_equal():
+    # whole returns 0.3, 0.1 + 0.2 (= 0.30000000000000004) and 0.3: their std is ~3e-17, which std_norm used to
+    # divide by (with eps 1e-6: -100000.0 on the short episode's turn 1); they are equal, so std 0 -> 0
+    groups = group_trajectories([_traj("t", 0, [0.3]), _traj("t", 1, [0.1, 0.2]), _traj("t", 2, [0.3])])
+    assert compute_advantages("turn_grpo", groups, {"std_norm": True}) == [[[0.0], [0.0, 0.0], [0.0]]]
+    # without std_norm: turn 1 of the two-turn episode has return 0.2 against a baseline of 0.3; the rest are 0
+    # exactly (0.1 + 0.2 against 0.3 is not a difference)
+    plain = compute_advantages("turn_grpo", groups)
+    assert plain[0][0] == [0.0] and plain[0][2] == [0.0]
+    assert plain[0][1][0] == 0.0 and plain[0][1][1] == pytest.approx(-0.1)
+    # the episode estimators read the same rewards the same way
+    assert compute_advantages("grpo", groups) == [[[0.0], [0.0, 0.0], [0.0]]]
+
+
+def test_turn_grpo_gives_identical_episodes_exactly_zero():
+    # ten identical episodes with rewards .1 per turn used to get G_t - G_0 = [0, -0.1, -0.2]: an offset shared by
+    # every sample that compares nothing; identical episodes carry no signal
+    groups = group_trajectories([_traj("t", k, [0.1, 0.1, 0.1]) for k in range(10)])
+    for options in ({}, {"leave_one_out": False}, {"std_norm": True}, {"gamma": 0.9}):
+        out = compute_advantages("turn_grpo", groups, options)
+        assert out == [[[0.0, 0.0, 0.0]] * 10], options
+        assert not has_signal(out[0])
+
+
+# estimators that need scores of a model-aware step before they run on a group (skipped below):
+# info_gain reads Turn.metrics["info_gain"] (tracegym.train.info_gain.score_info_gain) and adds an intrinsic
+# term exactly where the outcome rewards are equal; mc_continuation reads Turn.metrics["mc_advantage"]
+# (tracegym.rollout_branches.score_mc_continuation).
+NEEDS_SCORES = {"info_gain", "mc_continuation"}
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.names()))
+def test_every_estimator_gives_a_group_of_identical_trajectories_exactly_zero(name: str):
+    if name in NEEDS_SCORES:
+        pytest.skip(f"{name} needs per-turn scores from a model-aware step before it runs")
+    for turn_rewards, size in (([0.1, 0.1, 0.1], 10), ([0.0, 1 / 3], 7), ([0.7], 3), ([0.2, 0.0, 0.1], 6)):
+        # identical trajectories visit the same states (same key per turn index), as identical episodes do
+        keys = [f"s{k}" for k in range(len(turn_rewards))]
+        group = group_trajectories([_keyed("t", k, turn_rewards, keys) for k in range(size)])
+        out = compute_advantages(name, group)
+        assert out == [[[0.0] * len(turn_rewards)] * size], (name, turn_rewards, out)
+        assert not has_signal(out[0])
+
+
+def test_episode_reward_must_be_the_sum_of_the_turn_rewards():
+    from tracegym.algos import check_episode_rewards, episode_reward_problems
+
+    # a failed episode zeroed on Trajectory.reward only (the old on_env_error: zero_reward): the estimators
+    # disagreed on it (grpo -1.5, turn_rloo 0, gigpo -0.225)
+    good = [_traj("t", k, [0.0, 1.0]) for k in range(3)]
+    half_zeroed = good[2].model_copy(update={"reward": 0.0, "end_reason": "env_error"})
+    groups = group_trajectories(good[:2] + [half_zeroed])
+    (problem,) = episode_reward_problems(groups)
+    assert "task t sample 2 (env_error): episode reward 0.0 but its 2 turn rewards sum to 1.0" in problem
+    for name in ("grpo", "turn_rloo", "gigpo"):
+        with pytest.raises(ValueError, match="episode reward != sum of turn rewards"):
+            compute_advantages(name, groups)
+    # rounding is not a mismatch; trajectories without turns (message-level) are not checked
+    check_episode_rewards(group_trajectories([_traj("u", 0, [0.1, 0.2]).model_copy(update={"reward": 0.3})]))
+    check_episode_rewards(group_trajectories([good[0].model_copy(update={"turns": (), "reward": 5.0})]))
+    assert episode_reward_problems(group_trajectories(good)) == []

@@ -9,8 +9,6 @@ import torch
 
 from tracegym.algos import (
     PolicyLossConfig,
-    kl_penalized_advantages,
-    kl_penalized_rewards,
     kl_per_token,
     policy_loss_problems,
     truncated_importance_weights,
@@ -92,17 +90,13 @@ def test_k1_in_the_loss_is_rejected():
     assert policy_loss_problems({"kl_coef": 0.1, "kl_estimator": "k2"}) == []
 
 
-def test_kl_penalized_rewards_and_advantages():
-    # logp - ref = [0.5, 0.25, 9 (masked)] -> k1 sum = 0.75; beta 0.2 -> 1.0 - 0.15 = 0.85
+def test_kl_per_token_k1_hand_values_and_unknown_estimator():
+    # logp - ref = [0.5, 0.25, 9 (masked)]: k1 summed over the sampled tokens = 0.75, what the RL recipe's
+    # kl_in_reward (the one KL-in-reward implementation, tests/test_rl.py) takes times beta off the episode
     logprobs = torch.tensor([[-1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.25, -10.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    out = kl_penalized_rewards(torch.tensor([1.0]), logprobs, ref, mask, beta=0.2)
-    assert out.item() == pytest.approx(0.85)
-    # per-token, reward-to-go of k1: [0.75, 0.25, 0] -> A - 0.2 * [0.75, 0.25] = [0.85, 0.95], masked unchanged
-    adv = torch.ones(1, 3)
-    out = kl_penalized_advantages(adv, logprobs, ref, mask, beta=0.2)
-    torch.testing.assert_close(out, torch.tensor([[0.85, 0.95, 1.0]]))
+    assert float((kl_per_token(logprobs, ref, "k1") * mask).sum()) == pytest.approx(0.75)
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_per_token(logprobs, ref, "k4")
 

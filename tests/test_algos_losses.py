@@ -141,6 +141,76 @@ def test_aggregation_modes_hand_computed():
         aggregate(per_token, mask, "sum")
 
 
+# A trajectory split by its template into two rows (a: 2 + 3 trained tokens) and an unsplit one (b: 1 token),
+# and the same trajectories as one row each: the split must not change any sequence-level quantity.
+SPLIT_MASK = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+SPLIT_IDS = torch.tensor([7, 7, 3])  # any ids: rows sharing one are one trajectory
+WHOLE_MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+
+
+def _as_whole(split: torch.Tensor) -> torch.Tensor:
+    """[3, 5] values on the split rows -> [2, 5] on the whole rows (a's two rows concatenated, b as is)."""
+    whole = torch.zeros(2, 5, dtype=split.dtype)
+    whole[0] = torch.cat([split[0, :2], split[1, :3]])
+    whole[1] = split[2]
+    return whole
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "sequence_sum", "fixed_length_sum"])
+def test_a_trajectory_split_into_rows_aggregates_as_one_sequence(mode: str):
+    per_token = torch.tensor([[1.0, 3.0, 9.0, 9.0, 9.0], [2.0, 4.0, 6.0, 9.0, 9.0], [5.0, 9.0, 9.0, 9.0, 9.0]], requires_grad=True)
+    whole = _as_whole(per_token.detach()).requires_grad_(True)
+    split_loss = aggregate(per_token, SPLIT_MASK, mode, fixed_length=4, trajectory_ids=SPLIT_IDS)
+    whole_loss = aggregate(whole, WHOLE_MASK, mode, fixed_length=4)
+    # by hand: a = [1, 3, 2, 4, 6] (sum 16, n 5), b = [5]; two sequences
+    expected = {"token_mean": 21 / 6, "sequence_mean": (16 / 5 + 5) / 2, "sequence_sum": 21 / 2, "fixed_length_sum": 21 / 4 / 2}
+    assert split_loss.item() == pytest.approx(expected[mode]) and whole_loss.item() == pytest.approx(expected[mode])
+    split_loss.backward()
+    whole_loss.backward()
+    # every token gets the gradient weight it has in the unsplit trajectory (a: 1/(5*2) each under sequence_mean;
+    # per row it was 1/(2*3) and 1/(3*3), and a weighed 2/3 of the batch instead of 1/2)
+    torch.testing.assert_close(_as_whole(per_token.grad) * WHOLE_MASK, whole.grad * WHOLE_MASK)
+    # without ids every row is a sequence, as before
+    per_row = {"token_mean": 21 / 6, "sequence_mean": (4 / 2 + 12 / 3 + 5) / 3, "sequence_sum": 21 / 3, "fixed_length_sum": 21 / 4 / 3}
+    assert aggregate(per_token, SPLIT_MASK, mode, fixed_length=4).item() == pytest.approx(per_row[mode])
+
+
+def test_sequence_mean_of_a_micro_batch_divides_by_the_whole_trajectory():
+    # row 1 (a's second part) alone in a micro-batch: its tokens are divided by a's 5 tokens (2 of them elsewhere,
+    # trajectory_rest_sizes) and by the full batch's 2 sequences
+    per_token = torch.tensor([[2.0, 4.0, 6.0, 0.0, 0.0]])
+    norm = LossNormalizers.from_mask(SPLIT_MASK, trajectory_ids=SPLIT_IDS)
+    assert norm.num_sequences == 2.0
+    part = aggregate(per_token, SPLIT_MASK[1:2], "sequence_mean", normalizers=norm, trajectory_ids=SPLIT_IDS[1:2],
+                     trajectory_rest_sizes=torch.tensor([2.0]))
+    assert part.item() == pytest.approx(12 / 5 / 2)
+
+
+def test_gspo_ratio_is_one_per_trajectory_over_all_its_rows():
+    torch.manual_seed(0)
+    logprobs = (torch.randn(3, 5) * 0.01).requires_grad_(True)
+    old = torch.zeros(3, 5)
+    advantages = torch.tensor([[1.0] * 5, [1.0] * 5, [-0.5] * 5])
+    opts = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}
+    split = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=SPLIT_MASK, trajectory_ids=SPLIT_IDS)
+    split_tokens, _ = POLICY_LOSSES.entry("gspo")(split, opts)
+    whole_logprobs = _as_whole(logprobs.detach()).requires_grad_(True)
+    whole = LossInputs(logprobs=whole_logprobs, old_logprobs=torch.zeros(2, 5), advantages=_as_whole(advantages),
+                       mask=WHOLE_MASK)
+    whole_tokens, _ = POLICY_LOSSES.entry("gspo")(whole, opts)
+    # s_a = exp(mean of a's 5 log-ratios) on both of a's rows (per row it was two different ratios)
+    s_a = torch.exp(torch.cat([logprobs[0, :2], logprobs[1, :3]]).mean()).item()
+    assert split_tokens[0, 0].item() == pytest.approx(-s_a) and split_tokens[1, 2].item() == pytest.approx(-s_a)
+    torch.testing.assert_close(_as_whole(split_tokens.detach()) * WHOLE_MASK, whole_tokens.detach() * WHOLE_MASK)
+    # the same total gradient per token under sequence_mean as the unsplit trajectory
+    aggregate(split_tokens, SPLIT_MASK, "sequence_mean", trajectory_ids=SPLIT_IDS).backward()
+    aggregate(whole_tokens, WHOLE_MASK, "sequence_mean").backward()
+    torch.testing.assert_close(_as_whole(logprobs.grad) * WHOLE_MASK, whole_logprobs.grad * WHOLE_MASK)
+    # without ids each row keeps its own ratio, exactly as before
+    per_row, _ = _per_token("gspo", logprobs.detach(), old, advantages, SPLIT_MASK, **opts)
+    assert per_row[0, 0].item() == pytest.approx(-math.exp(logprobs[0, :2].mean().item()))
+
+
 def _batch(logprobs_old, advantages, mask, engine=None, ref=None, old=None) -> Batch:
     b, t = mask.shape
     return Batch(

@@ -118,6 +118,36 @@ def test_split_microbatches_rows_budget_sorting_and_merge():
     assert moved.ref_logprobs is not None and moved.old_logprobs is None and moved.normalizers == batch.normalizers
 
 
+def test_make_batch_groups_the_rows_of_a_split_trajectory():
+    from tracegym.batch import GroupExamples, split_by_computed_tokens
+
+    # calc/t1/0 was split by its template (#0, #1); the last row repeats its source but starts again at #0
+    # (another trajectory of the same sample, e.g. a resampled group): a trajectory of its own
+    rows = [_example([5, 6, 7], [0, 1, 1], source="calc/t1/0#0"), _example([5, 6, 8, 9], [0, 0, 1, 1], source="calc/t1/0#1"),
+            _example([5, 7], [0, 1], source="calc/t1/1#0"), _example([4, 4], [0, 1], source=""),
+            _example([5, 6, 7], [0, 1, 1], source="calc/t1/0#0")]
+    batch = make_batch(rows, PAD)
+    assert batch.trajectory_ids.tolist() == [0, 0, 1, 2, 3]
+    # the trained size of the rest of each row's trajectory: the other part's 2 tokens, 0 for unsplit rows
+    assert batch.trajectory_rest_sizes.tolist() == [2.0, 2.0, 0.0, 0.0, 0.0]
+    assert batch.normalizers.num_sequences == 4.0  # trajectories, not the 5 rows
+    # ids given explicitly (examples_from_groups knows them) win; a different group never continues a trajectory
+    assert make_batch(rows, PAD, trajectory_ids=[9, 9, 9, 1, 2]).normalizers.num_sequences == 3.0
+    assert make_batch(rows, PAD, group_ids=[0, 1, 1, 2, 0]).trajectory_ids.tolist() == [0, 1, 2, 3, 4]
+    data = GroupExamples(examples=rows, group_index=[0, 0, 0, 1, 2], trajectory_index=[0, 0, 1, 0, 0])
+    assert data.trajectory_ids == [0, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="trajectory ids"):
+        make_batch(rows, PAD, trajectory_ids=[0])
+    # the splitters never cut a trajectory's rows apart (a part may hold more rows than asked)
+    for parts in (split_microbatches(batch, 1), split_microbatches(batch, 1, sort_by_length=True),
+                  split_microbatches(batch, max_tokens=4), split_by_computed_tokens(batch, 4)):
+        assert sorted(p.example_ids.tolist() for p in parts if 0 in p.example_ids.tolist()) == [[0, 1]]
+        assert sorted(e for p in parts for e in p.example_ids.tolist()) == [0, 1, 2, 3, 4]
+        assert all(p.trajectory_rest_sizes.tolist() == [2.0, 2.0] for p in parts if 0 in p.example_ids.tolist())
+    assert [p.size for p in split_microbatches(batch, 1)] == [2, 1, 1, 1]
+    assert [p.size for p in split_microbatches(batch, 1, keep_trajectories=False)] == [1, 1, 1, 1, 1]
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -191,6 +221,36 @@ def test_microbatch_gradients_sum_to_full_batch_gradient(tiny_model, name: str):
         (_rl_loss(tiny_model, local, cfg) / len(parts)).backward()
     wrong = _grads(tiny_model)
     assert any(not torch.allclose(w, f, atol=1e-6, rtol=1e-4) for w, f in zip(wrong, full))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_microbatch_gradients_sum_to_full_batch_gradient_with_split_trajectories(tiny_model, name: str):
+    # rows 0-1 and 3-5 are parts of two trajectories their template split (#0, #1, #2): one sequence each, for the
+    # full batch and for every micro-batch of one or two rows (GSPO's ratio needs all of a trajectory's rows)
+    parts_of = ["env/a/0#0", "env/a/0#1", "env/a/1#0", "env/b/0#0", "env/b/0#1", "env/b/0#2", "env/b/1#0"]
+    examples = [ex.model_copy(update={"source": source}) for ex, source in zip(_random_examples(1), parts_of)]
+    cfg = CONFIGS[name]
+    batch = make_batch(examples, PAD)
+    assert batch.trajectory_ids.tolist() == [0, 0, 1, 2, 2, 2, 3] and batch.normalizers.num_sequences == 4.0
+    with torch.no_grad():
+        current = token_logprobs(tiny_model, batch.input_ids, batch.attention_mask)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2)) * 0.3
+    batch = batch.with_logprobs(old=current + noise, ref=current - noise)
+
+    tiny_model.zero_grad(set_to_none=False)
+    full_loss = _rl_loss(tiny_model, batch, cfg)
+    full_loss.backward()
+    full = _grads(tiny_model)
+    for size in (1, 2):
+        total = 0.0
+        for part in split_microbatches(batch, size, sort_by_length=True):
+            loss = _rl_loss(tiny_model, part, cfg)
+            loss.backward()
+            total += loss.item()
+        accumulated = _grads(tiny_model)
+        assert total == pytest.approx(full_loss.item(), abs=1e-5)
+        for g_full, g_acc in zip(full, accumulated):
+            torch.testing.assert_close(g_acc, g_full, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("reduction", ["weighted_mean", "token_mean"])

@@ -193,15 +193,39 @@ def test_magnitude_scale_without_std_normalisation():
 
 def test_estimator_refuses_unscored_groups():
     bare = Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant"))
-    two = Trajectory(env="e", task_id="t0", messages=(), turns=(bare, bare), reward=1.0)
+    won = bare.model_copy(update={"reward": 1.0})  # the episode reward is the sum of the turn rewards
+    two = Trajectory(env="e", task_id="t0", messages=(), turns=(bare, won), reward=1.0)
     with pytest.raises(ValueError, match=r"turn 0 has no Turn.metrics\['info_gain'\]; run with advantage.intrinsic: info_gain"):
         estimate("info_gain", [TrajectoryGroup(env="e", task_id="t0", trajectories=(two, two))])
     # single-turn trajectories need no score (I = 0): plain GRPO
-    one = [TrajectoryGroup(env="e", task_id="t0", trajectories=(two.model_copy(update={"turns": (bare,)}),
+    one = [TrajectoryGroup(env="e", task_id="t0", trajectories=(two.model_copy(update={"turns": (won,)}),
                                                                  two.model_copy(update={"turns": (bare,), "reward": 0.0})))]
     assert estimate("info_gain", one).advantages == estimate("grpo", one).advantages
     assert estimator_problems("info_gain", {"beta": 0.2, "tau": 0.1}) == []
     assert estimator_problems("info_gain", {"temperature": 1.0})  # not an option of the estimator
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_a_nan_score_is_an_error_naming_the_task_and_turn(normalize_std: bool):
+    # NaN fails every "std > 0" test: with normalize_std it used to zero the group's whole intrinsic term silently
+    bad = TrajectoryGroup(env="e", task_id="t0", trajectories=(_trajectory(0, 1.0, [0.5, 0.0]),
+                                                               _trajectory(1, 1.0, [float("nan"), 0.3, 0.0])))
+    with pytest.raises(ValueError, match=r"task t0 sample 1 turn 0 has a non-finite Turn.metrics\['info_gain'\] = nan"):
+        estimate("info_gain", [bad], {"normalize_std": normalize_std})
+    inf = bad.model_copy(update={"trajectories": (_trajectory(0, 1.0, [0.5, float("inf"), 0.0]),)})
+    with pytest.raises(ValueError, match="task t0 sample 0 turn 1 .* = inf"):
+        estimate("info_gain", [inf], {"normalize_std": normalize_std})
+
+
+def test_the_scorer_refuses_a_nan_gain(setup, monkeypatch):
+    import tracegym.train.info_gain as scorer
+
+    model, renderer = setup
+    group = TrajectoryGroup(env="calc", task_id="t0", trajectories=(three_turns(renderer, 0, 1.0),))
+    # a NaN log-prob of one scored sequence (e.g. an overflow in the forward pass)
+    monkeypatch.setattr(scorer, "mean_completion_logprobs", lambda model, sequences, **kw: [float("nan")] * len(sequences))
+    with pytest.raises(ValueError, match="task t0 sample 0 turn 0: .* nan"):
+        score_info_gain([group], model, renderer)
 
 
 def test_scorer_then_estimator(setup):

@@ -125,6 +125,33 @@ def test_kto_toy_value_and_reference_point():
     assert metrics["logratio_desirable"] == 2.0 and metrics["logratio_undesirable"] == 0.0
 
 
+def test_kto_mismatched_pair_keeps_every_example_of_a_split_continuation():
+    from tracegym.recipes.dpo import TrajectoryTokens, mismatched_sequence
+
+    def tokens(trajectory: Trajectory) -> TrajectoryTokens:
+        return TrajectoryTokens(tuple(build_examples(trajectory)), trajectory.turns[0].prompt_ids)
+
+    # tokens: 1 system, 2 generation prompt, 8 an empty think block only the generation prompt shows (Qwen3 with
+    # enable_thinking false); x = task 40, y' = task 50 51. y''s turn 1 prompt re-renders its history without the
+    # think block (60 instead of 8 60 61): the template split y' into two examples
+    x = _traj("a", 0, 1.0, [((1, 40, 2, 8), (70, 71))])
+    y = _traj("b", 0, 0.0, [((1, 50, 51, 2, 8), (60, 61)), ((1, 50, 51, 2, 60, 7, 2, 8), (62, 63))])
+    assert len(tokens(y).examples) == 2
+    mismatched = mismatched_sequence(tokens(x), tokens(y))
+    # both parts, y''s task 50 51 replaced by x's 40 in each (z0 used to see the first part only: 2 of y''s 4 tokens)
+    assert [ex.input_ids for ex in mismatched.examples] == [(1, 40, 2, 8, 60, 61), (1, 40, 2, 60, 7, 2, 8, 62, 63)]
+    assert [ex.loss_mask for ex in mismatched.examples] == [(0, 0, 0, 0, 1, 1), (0, 0, 0, 0, 0, 0, 0, 1, 1)]
+    assert sum(sum(ex.loss_mask) for ex in mismatched.examples) == sum(sum(ex.loss_mask) for ex in tokens(y).examples)
+    assert mismatched.first_prompt == (1, 40, 2, 8)
+    # an unsplit continuation: x followed by y''s continuation, as before
+    (single,) = mismatched_sequence(tokens(x), tokens(_traj("c", 0, 0.0, [((1, 50, 2, 8), (60,))]))).examples
+    assert single.input_ids == (1, 40, 2, 8, 60) and single.loss_mask == (0, 0, 0, 0, 1)
+    # a part whose history does not start with its own task cannot take another task: refused by name
+    odd = _traj("d", 0, 0.0, [((1, 50, 2, 8), (60,)), ((3, 50, 2, 60, 7, 2, 8), (62,))])
+    with pytest.raises(ValueError, match="toy/d/0#1"):
+        mismatched_sequence(tokens(x), tokens(odd))
+
+
 def test_sequence_logps_sum_weighted_sampled_tokens_per_trajectory():
     logps = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-0.5, -0.25, -8.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
     mask = torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.float32)

@@ -308,6 +308,36 @@ def test_kl_in_reward_lands_on_the_last_turn():
     assert rl_recipe.with_reward_offset(traj, 0.0) is traj
 
 
+def test_kl_in_reward_is_beta_times_the_summed_kl_of_every_row_of_the_episode(monkeypatch):
+    # kl_penalty: reward has one implementation, kl_in_reward (docs/algorithms.md). Policy log-probs 0, reference
+    # -0.5 on every column: k1 = logp - ref = 0.5 per sampled token; beta 0.2 -> 0.1 per sampled token.
+    from types import SimpleNamespace
+
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.render.trajectory_examples import build_examples
+    from tracegym.types import Trajectory, TrajectoryGroup, Turn
+
+    def turn(prompt, completion, reward=0.0):
+        return Turn(prompt_ids=prompt, completion_ids=completion, message=Message(role="assistant"), reward=reward)
+
+    # a: turn 1's prompt does not extend turn 0's (history rewritten): two rows, 2 + 3 sampled tokens
+    split = Trajectory(env="e", task_id="t", sample_index=0, messages=(), reward=1.0,
+                       turns=(turn((1, 2), (3, 4)), turn((1, 9, 5), (6, 7, 8), 1.0)))
+    whole = Trajectory(env="e", task_id="t", sample_index=1, messages=(), reward=0.0, turns=(turn((1, 2), (3, 5)),))
+
+    renderer = SimpleNamespace(build_examples=build_examples)  # all kl_in_reward needs of a renderer
+    monkeypatch.setattr(rl_recipe, "batch_logprobs", lambda model, batch, *a, **k: torch.zeros(batch.loss_mask.shape))
+    monkeypatch.setattr(rl_recipe, "reference_logprobs", lambda model, ref, batch, *a, **k: torch.full(batch.loss_mask.shape, -0.5))
+    cfg = PolicyLossConfig(kl_coef=0.2, kl_estimator="k1", kl_penalty="reward")
+    groups = [TrajectoryGroup(env="e", task_id="t", trajectories=(split, whole))]
+    out, mean_penalty = rl_recipe.kl_in_reward(groups, None, None, renderer, cfg, pad_token_id=0, micro_batch_size=1,
+                                               temperature=1.0)
+    a, b = out[0].trajectories
+    assert a.reward == pytest.approx(1.0 - 0.5) and [t.reward for t in a.turns] == [0.0, pytest.approx(0.5)]
+    assert b.reward == pytest.approx(-0.2) and [t.reward for t in b.turns] == [pytest.approx(-0.2)]
+    assert mean_penalty == pytest.approx((0.5 + 0.2) / 2)
+
+
 def test_presets_fill_settings_under_the_users_own():
     cfg = load_config(RLConfig, data={"preset": "dr_grpo", "rollout": {"max_turns": 3, "max_tokens_per_turn": 64}})
     assert cfg.advantage.estimator == "dr_grpo"

@@ -17,8 +17,9 @@ import torch
 
 from tracegym.data.store import TrajectoryWriter, export_parquet, read_trajectories
 from tracegym.envs.base import Env, Task
-from tracegym.rollout import RolloutConfig, logprob_gap, run_rollouts, run_rollouts_sync
-from tracegym.types import Generation, Message, ParsedCompletion, SamplingParams, StepResult
+from tracegym.algos import episode_reward_problems
+from tracegym.rollout import RolloutConfig, logprob_gap, run_rollouts, run_rollouts_sync, zero_reward
+from tracegym.types import Generation, Message, ParsedCompletion, SamplingParams, StepResult, group_trajectories
 
 EOT = 2  # end-of-turn id of the fake renderer
 
@@ -280,7 +281,21 @@ def test_zero_reward_mode_keeps_failed_episodes():
     assert len(res.trajectories) == 2 and res.failed == []
     bad = res.trajectories[0]
     assert bad.end_reason == "env_error" and bad.reward == 0.0 and not bad.success
+    # the turn before the failing step earned 0.25: zeroed too, so the episode reward stays the sum of the turn
+    # rewards (it used to keep 0.25 there, and episode and per-turn estimators disagreed on the episode)
+    assert len(bad.turns) == 1 and [t.reward for t in bad.turns] == [0.0]
+    assert episode_reward_problems(group_trajectories(res.trajectories)) == []
     assert res.stats.mean_reward == pytest.approx(0.75 / 2)
+
+
+def test_zero_reward_zeroes_the_episode_and_every_turn():
+    from tracegym.types import Trajectory, Turn
+
+    turns = tuple(Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant"), reward=r) for r in (0.5, 0.25))
+    failed = Trajectory(env="e", task_id="t", messages=(), turns=turns, reward=0.75, end_reason="env_error", error="boom")
+    zeroed = zero_reward(failed)
+    assert zeroed.reward == 0.0 and [t.reward for t in zeroed.turns] == [0.0, 0.0]
+    assert zeroed.end_reason == "env_error" and zeroed.error == "boom" and zeroed.turns[0].completion_ids == (2,)
 
 
 def test_env_that_hangs_times_out_without_stalling_the_others():
@@ -335,7 +350,8 @@ def test_non_finite_reward_is_a_failed_env_error(on_env_error: str, tmp_path: Pa
     assert res.stats.end_reasons == {"terminated": 2, "env_error": 1} and res.stats.failed == 1
     [failed] = [t for t in res.trajectories + res.failed if t.end_reason == "env_error"]
     assert failed.task_id == "t1" and "t1" in failed.error and "nan" in failed.error
-    assert [turn.reward for turn in failed.turns] == [0.25]  # the NaN step is not recorded
+    # the NaN step is not recorded; zero_reward zeroes the turn that was, with the episode reward
+    assert [turn.reward for turn in failed.turns] == ([0.0] if on_env_error == "zero_reward" else [0.25])
     assert failed.reward == (0.0 if on_env_error == "zero_reward" else 0.25) and not failed.success
     assert "non-finite reward nan" in res.stats.errors[0]
     for path in (tmp_path / "ok.jsonl", tmp_path / "bad.jsonl"):

@@ -288,8 +288,9 @@ def test_hierarchical_and_magrpo_values():
     assert learnability_reward(False, 0.5) == 0.0
 
     def traj(role: str, reward: float, i: int) -> Trajectory:
-        turn = Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant", content="x"), reward=reward)
-        return Trajectory(env="e", task_id="t", sample_index=i, messages=(), turns=(turn, turn), reward=reward,
+        turn = Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant", content="x"))
+        last = turn.model_copy(update={"reward": reward})  # a role's reward is credited on its last turn
+        return Trajectory(env="e", task_id="t", sample_index=i, messages=(), turns=(turn, last), reward=reward,
                           info={"role": role, "episode_id": str(i)})
 
     groups = [TrajectoryGroup(env="e", task_id=f"t@{role}", trajectories=tuple(traj(role, r, i) for i, r in enumerate(rs)))
@@ -300,6 +301,56 @@ def test_hierarchical_and_magrpo_values():
     mixed = [TrajectoryGroup(env="e", task_id="t", trajectories=(traj("planner", 1, 0), traj("solver", 0, 1)))]
     with pytest.raises(ValueError, match="mixes roles"):
         estimate("magrpo", mixed)
+
+
+def test_hierarchical_advantages_zero_equal_groups_exactly_and_refuse_nan():
+    from tracegym.algos import has_signal, hierarchical_advantages, learnability_reward
+
+    # equal learnability rewards (e.g. 4 p (1 - p) of pass rates k/10) whose float mean is not the value itself used
+    # to give ~1e-16 advantages, which has_signal counts as signal
+    values = sorted({learnability_reward(True, k / 10) for k in range(11)})
+    for value in values:
+        for size in range(1, 13):
+            (advantages,) = hierarchical_advantages([[value] * size])
+            assert advantages == [0.0] * size, (value, size, advantages)
+            assert not has_signal([advantages])
+    assert hierarchical_advantages([[0.1 + 0.2, 0.3, 0.3]]) == [[0.0, 0.0, 0.0]]  # equal up to rounding
+    assert hierarchical_advantages([[], [1.0, 0.0]]) == [[], [0.5, -0.5]]
+    with pytest.raises(ValueError, match=r"group 1 has non-finite rewards at positions \[2\]"):
+        hierarchical_advantages([[1.0, 0.0], [0.5, 0.25, float("nan")]])
+    with pytest.raises(ValueError, match="group 0 has non-finite"):
+        hierarchical_advantages([[float("inf"), 0.0]])
+
+
+def test_selfplay_reward_replacement_keeps_the_episode_reward_the_sum_of_the_turn_rewards():
+    from tracegym.algos import episode_reward_problems
+    from tracegym.recipes.selfplay import _with_reward
+    from tracegym.types import Trajectory, TrajectoryGroup, Turn
+
+    turns = tuple(Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant"), reward=r) for r in (0.5, 0.25))
+    proposal = _with_reward(Trajectory(env="e", task_id="t", messages=(), turns=turns, reward=0.75), 0.96)
+    # the learnability reward replaces the env's: on the last turn, the earlier turn's 0.5 used to stay
+    assert proposal.reward == 0.96 and [t.reward for t in proposal.turns] == [0.0, 0.96]
+    assert episode_reward_problems([TrajectoryGroup(env="e", task_id="t", trajectories=(proposal,))]) == []
+
+
+def test_zero_reward_zeroes_every_role_trajectory_and_its_turns(monkeypatch, tokenizer):
+    import tracegym.rollout_team as rollout_team
+    from tracegym.algos import episode_reward_problems
+    from tracegym.types import Trajectory, Turn
+
+    async def failing_episode(factory, task, policies, **kwargs):  # a team episode whose env failed after rewards
+        turn = Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant", content="x"), reward=0.5)
+        return [Trajectory(env="e", task_id=task.id, sample_index=kwargs["sample_index"], messages=(), turns=(turn,),
+                           reward=0.5, end_reason="env_error", error="boom", info={"role": role}) for role in ("alice", "bob")]
+
+    monkeypatch.setattr(rollout_team, "play_team_episode", failing_episode)
+    result = run_team_rollouts_sync(LetterTeam, LetterTeam().tasks("train", 1), "expert",
+                                    get_renderer("smollm2-135m", tokenizer), RolloutConfig(on_env_error="zero_reward"))
+    assert len(result.trajectories) == 2 and result.stats.failed == 1
+    for t in result.trajectories:
+        assert t.reward == 0.0 and [turn.reward for turn in t.turns] == [0.0]  # the turn used to keep its 0.5
+    assert episode_reward_problems(group_by_role(result.trajectories)) == []
 
 
 def test_docs_team_env_example_is_real():

@@ -96,6 +96,38 @@ def random_tree(rng: random.Random, leaves: int, depth: int) -> list[list[str]]:
     return paths
 
 
+@pytest.mark.parametrize("mode", ["treerl", "local", "grpo_leaves"])
+def test_leaves_of_equal_reward_give_exactly_zero(mode: str):
+    # rewards equal but not representable: the float means of a segment and of the root differed in the last bits
+    # (up to 2.6e-16), which has_signal counted as signal, so skip_uniform_groups trained on such trees
+    nodes = [["a", "b"], ["a", "c"], ["a", "c"], ["d"], ["d"], ["e"]]
+    for reward in (0.1, 0.2, 0.7, 1 / 3):
+        for leaf_loo in (False, True):
+            advantages, weights, segments = tree_turn_values([reward] * 6, nodes, mode, "1/L", leaf_loo)
+            assert advantages == [[0.0, 0.0]] * 3 + [[0.0]] * 3, (reward, leaf_loo)
+            assert weights[0] == [1 / 3, 1.0] and segments == 5  # weights and structure unchanged
+    trajectories = [_trajectory("t", i, [0.0, 0.7], [f"{i // 2}", f"{i}:1"]) for i in range(4)]
+    result = estimate("tree", group_trajectories(trajectories), {"mode": mode})
+    assert result.advantages == [[[0.0, 0.0]] * 4]
+    # a subtree of equal leaves next to a different one: its segments differ from each other by exactly 0
+    advantages, _, _ = tree_turn_values([0.1, 0.1, 0.1, 1.0, 0.1, 0.1], nodes, "local", "none")
+    assert advantages[1][1] == 0.0 and advantages[0][1] == 0.0
+
+
+def test_zero_reward_failed_leaves_have_their_turn_rewards_zeroed():
+    from tracegym.algos import episode_reward_problems
+    from tracegym.rollout_tree import TreeStats, _Tree, _tree_result
+
+    ok = _trajectory("t", 0, [0.5, 1.0], ["a", "0:1"])
+    failed = _trajectory("t", 1, [0.5], ["a"]).model_copy(update={"end_reason": "env_error", "error": "boom"})
+    result = _tree_result([_Tree(task=Task(id="t"), leaves=[ok, failed])], RolloutConfig(on_env_error="zero_reward"),
+                          TreeStats(), 0, 0)
+    kept = {t.sample_index: t for t in result.trajectories}
+    assert kept[1].reward == 0.0 and [t.reward for t in kept[1].turns] == [0.0]  # used to keep the turn's 0.5
+    assert kept[0].reward == 1.5 and [t.reward for t in kept[0].turns] == [0.5, 1.0]
+    assert episode_reward_problems(group_trajectories(result.trajectories)) == []
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_every_node_weighs_one_in_total_with_1_over_L(seed: int):
     rng = random.Random(seed)

@@ -17,6 +17,14 @@ Micro-batches: ``split_microbatches`` cuts a batch by rows (or by a padded-token
 each part to its longest row, and carries the *full batch's* ``LossNormalizers`` into every part.
 Losses computed with those normalizers are each part's exact share of the full-batch loss, so the
 sum of the parts' gradients equals the full-batch gradient for every aggregation mode.
+
+Trajectories. A template that rewrites history (Qwen3, ``history_preserving: false``) gives one
+trajectory several rows. ``Batch.trajectory_ids`` [B] says which rows belong together, so the
+sequence aggregations and GSPO's ratio count a trajectory once, not once per row
+(``tracegym.algos.aggregation``); ``Batch.trajectory_rest_sizes`` [B] carries, per row, the trained
+size of the rest of its trajectory in the full batch. The splitters keep a trajectory's rows in one
+micro-batch (GSPO's ratio needs all of them in one forward pass); a part may then hold more rows
+than asked by the rows of one trajectory.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tracegym.algos.aggregation import LossNormalizers
+from tracegym.algos.aggregation import LossNormalizers, trajectory_totals
 from tracegym.render.base import BuildStats
 from tracegym.types import TrainingExample, TrajectoryGroup
 
@@ -61,6 +69,14 @@ class Batch:
     """[B, T] float: the trainer's log-probs before this update (filled by the recipe), or None."""
     ref_logprobs: Tensor | None = None
     """[B, T] float: the reference policy's log-probs (filled by the recipe when KL is on), or None."""
+    trajectory_ids: Tensor | None = None
+    """[B] long: the trajectory of each row; the rows of a trajectory split by its template share it
+    and are one sequence for the sequence aggregations and GSPO (``make_batch`` always sets it; None:
+    a sequence per row)."""
+    trajectory_rest_sizes: Tensor | None = None
+    """[B] float: ``sum(loss_mask * weights)`` over the *other* rows of the row's trajectory in the
+    full batch (0 for a trajectory of one row), unchanged by ``select``/splitting, so a micro-batch
+    knows each trajectory's full length (``sequence_mean``'s denominator)."""
 
     # -- shape helpers ---------------------------------------------------------------------------
     @property
@@ -147,21 +163,55 @@ def _group_ids_from_sources(examples: Sequence[TrainingExample]) -> list[int]:
     return out
 
 
+def _split_source(source: str) -> tuple[str, int | None]:
+    """``"<env>/<task_id>/<sample>#<part>"`` -> (``"<env>/<task_id>/<sample>"``, part), part None when
+    the source has no integer part."""
+    base, sep, part = source.rpartition("#")
+    if not sep or not part.isdigit():
+        return source, None
+    return base, int(part)
+
+
+def _trajectory_ids_from_sources(examples: Sequence[TrainingExample], group_ids: Sequence[int]) -> list[int]:
+    """One id per example: an example continues the trajectory of the example before it when both
+    come from the same ``"<env>/<task_id>/<sample>"`` in the same group and its part number is the
+    next one (``#1`` after ``#0``): the renderer numbers a trajectory's examples from ``#0`` and
+    ``examples_from_groups`` lists them in a row. Anything else starts a trajectory of its own."""
+    out: list[int] = []
+    previous: tuple[int, str, int | None] | None = None
+    count = 0
+    for index, example in enumerate(examples):
+        base, part = _split_source(example.source)
+        key = (group_ids[index], base, part)
+        continues = (previous is not None and part is not None and previous[2] is not None
+                     and previous[:2] == key[:2] and part == previous[2] + 1)
+        if not continues:
+            count += 1
+        out.append(count - 1)
+        previous = key
+    return out
+
+
 def make_batch(
     examples: Sequence[TrainingExample],
     pad_token_id: int,
     group_ids: Sequence[int] | None = None,
+    trajectory_ids: Sequence[int] | None = None,
 ) -> Batch:
     """Right-pad ``examples`` into a ``Batch`` (target-aligned per-token fields, see the module doc).
 
     ``group_ids``: one int per example; None derives groups from ``TrainingExample.source``
-    (``"<env>/<task_id>/<sample>#<part>"``: same env and task, same group). Every example needs at
-    least 2 tokens (one prediction) and equally long fields.
+    (``"<env>/<task_id>/<sample>#<part>"``: same env and task, same group). ``trajectory_ids``: one
+    int per example, equal for the examples of one trajectory (``GroupExamples.trajectory_ids``);
+    None derives them from the sources (consecutive parts ``#0, #1, ...`` of one sample in one group).
+    Every example needs at least 2 tokens (one prediction) and equally long fields.
     """
     if not examples:
         raise ValueError("make_batch needs at least one example")
     if group_ids is not None and len(group_ids) != len(examples):
         raise ValueError(f"{len(group_ids)} group ids for {len(examples)} examples")
+    if trajectory_ids is not None and len(trajectory_ids) != len(examples):
+        raise ValueError(f"{len(trajectory_ids)} trajectory ids for {len(examples)} examples")
     for index, ex in enumerate(examples):
         n = len(ex.input_ids)
         if n < 2:
@@ -192,8 +242,13 @@ def make_batch(
         per_token["advantages"][row, : n - 1] = torch.tensor(ex.advantages[1:], dtype=torch.float32)
         per_token["engine_logprobs"][row, : n - 1] = torch.tensor(ex.logprobs[1:], dtype=torch.float32)
     groups = list(group_ids) if group_ids is not None else _group_ids_from_sources(examples)
+    trajectories = torch.tensor(
+        list(trajectory_ids) if trajectory_ids is not None else _trajectory_ids_from_sources(examples, groups), dtype=torch.long
+    )  # [B]
     loss_mask = per_token["loss_mask"]
     weights = per_token["weights"]
+    row_sizes = (loss_mask.double() * weights.double()).sum(dim=-1)  # [B], float64: the rest is a difference
+    rest_sizes = (trajectory_totals(row_sizes, trajectories) - row_sizes).float()  # [B]; exactly 0 for one-row trajectories
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -204,8 +259,21 @@ def make_batch(
         has_engine_logprobs=torch.tensor([ex.has_logprobs for ex in examples], dtype=torch.bool),
         example_ids=torch.arange(batch_size, dtype=torch.long),
         group_ids=torch.tensor(groups, dtype=torch.long),
-        normalizers=LossNormalizers.from_mask(loss_mask, weights),
+        normalizers=LossNormalizers.from_mask(loss_mask, weights, trajectory_ids=trajectories),
+        trajectory_ids=trajectories,
+        trajectory_rest_sizes=rest_sizes,
     )
+
+
+def trajectory_units(batch: Batch) -> list[list[int]]:
+    """The batch's rows grouped by trajectory (``Batch.trajectory_ids``), in order of first appearance,
+    each unit's rows in batch order; a row per unit when the batch has no trajectory ids."""
+    if batch.trajectory_ids is None:
+        return [[row] for row in range(batch.size)]
+    units: dict[int, list[int]] = {}
+    for row, trajectory in enumerate(batch.trajectory_ids.tolist()):
+        units.setdefault(int(trajectory), []).append(row)
+    return list(units.values())
 
 
 def split_microbatches(
@@ -214,6 +282,7 @@ def split_microbatches(
     *,
     max_tokens: int | None = None,
     sort_by_length: bool = False,
+    keep_trajectories: bool = True,
 ) -> list[Batch]:
     """Cut ``batch`` into micro-batches that share the full batch's normalizers.
 
@@ -222,31 +291,43 @@ def split_microbatches(
     ``sort_by_length`` orders rows by length (longest first) before cutting, so each part holds
     rows of similar length and less padding is computed (``max_tokens`` always sorts);
     ``example_ids`` keeps the original row of each part's rows.
+    ``keep_trajectories`` (default): the rows of one trajectory (``Batch.trajectory_ids``) go to one
+    part, placed together at its first row (sorted by its longest row), and a part may exceed the
+    budget by the rest of one trajectory, so a sequence-level loss (GSPO) sees every trajectory
+    whole. With one row per trajectory this is the plain row split. False cuts rows alone (SFT).
     Every part is trimmed to its longest row.
     """
     if (micro_batch_size is None) == (max_tokens is None):
         raise ValueError("give exactly one of micro_batch_size or max_tokens")
     lengths = batch.lengths.tolist()
-    order = list(range(batch.size))
+    units = trajectory_units(batch) if keep_trajectories else [[row] for row in range(batch.size)]
     if sort_by_length or max_tokens is not None:
-        order.sort(key=lambda row: -lengths[row])
+        units.sort(key=lambda unit: -max(lengths[row] for row in unit))
     parts: list[list[int]] = []
     if micro_batch_size is not None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-        parts = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+        current: list[int] = []
+        for unit in units:
+            if current and len(current) + len(unit) > micro_batch_size:
+                parts.append(current)
+                current = []
+            current = current + unit
+        if current:
+            parts.append(current)
     else:
         assert max_tokens is not None
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        current: list[int] = []
+        current = []
         longest = 0
-        for row in order:
-            candidate_longest = max(longest, lengths[row])
-            if current and candidate_longest * (len(current) + 1) > max_tokens:
+        for unit in units:
+            unit_longest = max(lengths[row] for row in unit)
+            candidate_longest = max(longest, unit_longest)
+            if current and candidate_longest * (len(current) + len(unit)) > max_tokens:
                 parts.append(current)
-                current, candidate_longest = [], lengths[row]
-            current.append(row)
+                current, candidate_longest = [], unit_longest
+            current = current + unit
             longest = candidate_longest
         if current:
             parts.append(current)
@@ -260,17 +341,19 @@ def split_by_computed_tokens(batch: Batch, max_tokens: int, min_shared: int = 16
     column, at least ``min_shared``) runs once, the rest once per row, so a part costs
     ``P + rows * (longest - P)``. Rows that repeat a prompt pack many to a part at the memory of a
     few unshared rows; a row over the budget gets a part of its own. Parts share the full batch's
-    normalizers."""
+    normalizers. The rows of one trajectory (``Batch.trajectory_ids``) stay in one part (moved next
+    to its first row if they were not adjacent), over the budget if need be."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     lengths = batch.lengths.tolist()
     trained = batch.loss_mask.bool()
     first_trained = [int(row.nonzero()[0]) if row.any() else int(lengths[i]) - 1 for i, row in enumerate(trained)]
     ids = batch.input_ids
+    trajectory = batch.trajectory_ids.tolist() if batch.trajectory_ids is not None else list(range(batch.size))
     parts: list[list[int]] = []
     current: list[int] = []
     shared = longest = 0
-    for row in range(batch.size):
+    for row in [row for unit in trajectory_units(batch) for row in unit]:
         if current:
             head = current[0]
             limit = min(shared, first_trained[row], int(lengths[row]) - 1)
@@ -278,7 +361,8 @@ def split_by_computed_tokens(batch: Batch, max_tokens: int, min_shared: int = 16
             prefix = same.index(False) if False in same else limit
             prefix = prefix if prefix >= min_shared else 0
             new_longest = max(longest, int(lengths[row]))
-            if prefix + (len(current) + 1) * (new_longest - prefix) <= max_tokens:
+            same_trajectory = trajectory[row] == trajectory[current[-1]]  # never cut a trajectory's rows apart
+            if same_trajectory or prefix + (len(current) + 1) * (new_longest - prefix) <= max_tokens:
                 current.append(row)
                 shared, longest = prefix, new_longest
                 continue
@@ -320,6 +404,13 @@ class GroupExamples:
     dropped_too_long: int = 0
     skipped_no_signal_groups: int = 0
     template_splits: int = 0
+
+    @property
+    def trajectory_ids(self) -> list[int]:
+        """One id per example, shared by the examples of one trajectory (``make_batch``'s
+        ``trajectory_ids``): numbered ``0, 1, ...`` in order of first appearance."""
+        ids: dict[tuple[int, int], int] = {}
+        return [ids.setdefault(key, len(ids)) for key in zip(self.group_index, self.trajectory_index)]
 
 
 def examples_from_groups(
@@ -368,6 +459,8 @@ __all__ = [
     "GroupExamples",
     "examples_from_groups",
     "make_batch",
+    "split_by_computed_tokens",
     "split_microbatches",
     "merge_microbatch_rows",
+    "trajectory_units",
 ]

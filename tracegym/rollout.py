@@ -36,7 +36,8 @@ wall-clock limit (``timeout``). An env that raises or returns a NaN/inf reward (
 (``timeout``), or a failure of the engine, renderer or expert (``engine_error``) never stops the run:
 the episode is recorded with its error, counted, logged and either excluded from the result
 (``on_env_error="exclude"``, written to ``failed_writer`` if given) or kept with reward 0
-(``"zero_reward"``).
+(``"zero_reward"``: ``zero_reward`` zeroes the episode reward and every turn reward, so the episode
+reward stays the sum of the turn rewards and every estimator sees the same 0).
 
 Envs must not block the event loop: a synchronous ``time.sleep`` inside ``async def step`` cannot be
 interrupted by the timeout (``ToolEnv`` runs synchronous tools in threads for this reason).
@@ -83,6 +84,7 @@ __all__ = [
     "logprob_gap",
     "env_factory",
     "cut_generation",
+    "zero_reward",
 ]
 
 
@@ -356,6 +358,16 @@ class _StreamBatcher:
             decoder.close()
 
 
+def zero_reward(trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` with its episode reward and every turn's reward set to 0 (``on_env_error:
+    zero_reward``, for every rollout strategy). Zeroing only ``Trajectory.reward`` would keep the turn
+    rewards, so episode estimators (``grpo``) and per-turn ones (``turn_rloo``, ``gigpo``) would read
+    different rewards for one episode; the invariant episode reward == sum of turn rewards holds
+    (``tracegym.algos._groups.check_episode_rewards``)."""
+    turns = tuple(turn.model_copy(update={"reward": 0.0}) if turn.reward != 0.0 else turn for turn in trajectory.turns)
+    return trajectory.model_copy(update={"reward": 0.0, "turns": turns})
+
+
 def env_factory(env: "str | Callable[[], Env] | None", env_options: dict[str, Any] | None = None
                 ) -> "tuple[Callable[[], Env] | None, str | None]":
     """``(factory, name)`` for an env given by registered name (made with ``env_options``) or as a
@@ -562,7 +574,7 @@ class _Runner:
         if traj.error is not None:
             log.warning("episode %s/%d ended with %s: %s", task.id, sample_index, traj.end_reason, traj.error)
         if traj.end_reason in FAILED_END_REASONS and cfg.on_env_error == "zero_reward":
-            traj = traj.model_copy(update={"reward": 0.0})
+            traj = zero_reward(traj)
         return traj
 
 

@@ -54,7 +54,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from tracegym.envs.base import Env, EnvSnapshot, Task
 from tracegym.envs.episode import FAILED_END_REASONS, Action, TokenData
-from tracegym.rollout import PrefixedEpisode, RolloutConfig, cut_generation, env_factory, run_prefixed_episodes
+from tracegym.rollout import PrefixedEpisode, RolloutConfig, cut_generation, env_factory, run_prefixed_episodes, zero_reward
 from tracegym.types import Message, SamplingParams, StepResult, Trajectory, TrajectoryGroup, Turn
 
 log = logging.getLogger(__name__)
@@ -426,9 +426,9 @@ async def score_mc_continuation_async(
         for (n, a), trajectory in zip(index, result.trajectories):
             p = points[n]
             if trajectory.end_reason in FAILED_END_REASONS:
-                if config.on_env_error == "zero_reward":
-                    p.returns[a].append(0.0)
-                continue
+                if config.on_env_error != "zero_reward":
+                    continue  # excluded: left out of Q
+                trajectory = zero_reward(trajectory)  # counts 0, as every other zero-rewarded episode
             p.returns[a].append(sum(turn.reward for turn in trajectory.turns[p.t:]))
     elif stats.generate_calls:
         stats.mean_batch_size = stats.alternatives / stats.generate_calls

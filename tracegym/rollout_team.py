@@ -14,7 +14,7 @@ engine passes peft's ``adapter_names``; vLLM serves a ``LoRARequest`` per row). 
 
 Failure isolation is the single-agent runner's: a failed episode (env error, hang, engine error)
 fails every role of that episode only; with ``on_env_error: exclude`` all its role trajectories go
-to ``failed``, with ``zero_reward`` they are kept with reward 0.
+to ``failed``, with ``zero_reward`` they are kept with reward 0 (episode and turns, ``rollout.zero_reward``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 from tracegym.envs.base import Task
 from tracegym.envs.episode import FAILED_END_REASONS, Action
 from tracegym.envs.team import TeamEnv, play_team_episode, team_episode_id
-from tracegym.rollout import RolloutConfig, RolloutResult, RolloutStats, _batching, _RenderedPolicy, _Runner, env_factory
+from tracegym.rollout import (RolloutConfig, RolloutResult, RolloutStats, _batching, _RenderedPolicy, _Runner, env_factory,
+                              zero_reward)
 from tracegym.types import Trajectory, TrajectoryGroup
 
 __all__ = ["CounterfactualStats", "TeamEpisode", "group_by_role", "score_team_counterfactual", "role_of", "run_team_episodes", "run_team_rollouts", "run_team_rollouts_sync",
@@ -156,7 +157,7 @@ async def _run_team(
             if config.on_env_error == "exclude":
                 failed[index] = trajectories
                 return
-            trajectories = [t.model_copy(update={"reward": 0.0}) for t in trajectories]
+            trajectories = [zero_reward(t) for t in trajectories]
         kept[index] = trajectories
         if writer is not None:
             writer.write_all(trajectories)

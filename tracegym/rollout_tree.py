@@ -52,7 +52,7 @@ from tracegym.config import TreeConfig
 from tracegym.envs.base import Env, EnvSnapshot, Task
 from tracegym.envs.episode import FAILED_END_REASONS
 from tracegym.rollout import (PrefixedEpisode, RolloutConfig, RolloutResult, RolloutStats, env_factory, run_prefixed_episodes,
-                              run_rollouts)
+                              run_rollouts, zero_reward)
 from tracegym.rollout_branches import BranchEnv, ReplayMismatch, branch_mode, recorded_action, snapshots_before
 from tracegym.types import Trajectory
 
@@ -288,7 +288,7 @@ def _tree_result(trees: list[_Tree], config: RolloutConfig, stats: TreeStats, ca
         for trajectory in tr.leaves:
             is_failed = trajectory.end_reason in FAILED_END_REASONS
             if is_failed and config.on_env_error == "zero_reward":
-                trajectory = trajectory.model_copy(update={"reward": 0.0})
+                trajectory = zero_reward(trajectory)
             (failed if is_failed and config.on_env_error == "exclude" else kept).append(trajectory)
             stats.failed += int(is_failed)
             depths.append(int(trajectory.info[TREE_KEY]["fork_turn"]))

@@ -6,8 +6,10 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
   one advantage per assistant turn of every trajectory of every ``TrajectoryGroup``; registered:
   ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce`` (the episode's value on every turn) and
   ``turn_rloo`` (per-turn rewards-to-go, leave-one-out baseline per turn index), ``magrpo`` (teams:
-  a group baseline per (task, role)). Self-play's ``hierarchical_advantages`` (each level baselined
-  in its own groups) and ``learnability_reward`` (``valid * 4p(1-p)``) are plain functions. The tensor math
+  a group baseline per (task, role)). A group of identical trajectories gets exactly 0 (values equal
+  up to ``EQUAL_VALUES_TOLERANCE`` count as equal), and ``estimate`` refuses trajectories whose episode
+  reward is not the sum of their turn rewards (``check_episode_rewards``). Self-play's
+  ``hierarchical_advantages`` (each level baselined in its own groups) and ``learnability_reward`` (``valid * 4p(1-p)``) are plain functions. The tensor math
   behind them (``grpo_advantages(rewards [N], group_ids [N])`` ...) is exported too.
 - Policy losses: ``fn(inputs: LossInputs, opts) -> (per_token_loss [B, T], metrics)`` on
   target-aligned tensors (unmasked, unweighted, not aggregated), registered with their options
@@ -19,8 +21,8 @@ No environment, engine or file I/O here (see DESIGN.md). Conventions:
 - Preference losses: ``fn(inputs: PairLogps | LabelledLogps, opts) -> (per_item_loss, metrics)`` on
   sequence log-probs of whole trajectories, registered in ``PREFERENCE_LOSSES``: ``dpo``, ``dmpo``
   (per-turn discount weights ``dmpo_turn_weights``), ``kto`` (labelled single trajectories).
-- SFT: ``sft_loss``; KL: ``kl_per_token``, ``kl_penalized_rewards``, ``kl_penalized_advantages``;
-  TIS: ``truncated_importance_weights``.
+- SFT: ``sft_loss``; KL: ``kl_per_token`` (in the loss via ``compute_policy_loss``; in the reward the
+  RL recipe's ``kl_in_reward`` sums it per episode); TIS: ``truncated_importance_weights``.
 
 ``docs/algorithms.md`` lists every formula with its source.
 """
@@ -35,6 +37,7 @@ from torch import Tensor
 from tracegym.algos import dmpo, dpo, kto  # noqa: F401  (preference losses)
 from tracegym.algos import decoupled_ppo, dr_grpo, gigpo, gspo, grpo, magrpo, policy_gradient, ppo_clip, reinforce, rloo, tree, turn_credit  # noqa: F401
 from tracegym.algos.hierarchical import hierarchical_advantages, learnability_reward
+from tracegym.algos._groups import EQUAL_VALUES_TOLERANCE, check_episode_rewards, episode_reward_problems
 from tracegym.algos.advantages import (
     EstimatorResult,
     TurnAdvantages,
@@ -55,7 +58,7 @@ from tracegym.algos.config import PolicyLossConfig, policy_loss_problems
 from tracegym.algos.decoupled_ppo import DecoupledPPOOptions, behaviour_weights
 from tracegym.algos.entropy_clip import entropy_clip_scale
 from tracegym.algos.gspo import GSPOOptions
-from tracegym.algos.kl import KL_ESTIMATORS, kl_penalized_advantages, kl_penalized_rewards, kl_per_token
+from tracegym.algos.kl import KL_ESTIMATORS, kl_per_token
 from tracegym.algos.loss_inputs import LossInputs
 from tracegym.algos.ppo_clip import PPOClipOptions
 from tracegym.algos.dmpo import DMPOOptions, dmpo_turn_weights
@@ -76,6 +79,9 @@ from tracegym.algos.turn_credit import discounted_turn_returns, turn_level_advan
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "EQUAL_VALUES_TOLERANCE",
+    "check_episode_rewards",
+    "episode_reward_problems",
     "hierarchical_advantages",
     "learnability_reward",
     "DMPOOptions",
@@ -118,8 +124,6 @@ __all__ = [
     "compute_policy_loss",
     "discounted_turn_returns",
     "entropy_clip_scale",
-    "kl_penalized_advantages",
-    "kl_penalized_rewards",
     "kl_per_token",
     "masked_mean",
     "mc_scores",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -63,24 +64,51 @@ def group_count(inverse: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
     return group_sum(ones, inverse, num_groups)
 
 
+EQUAL_VALUES_TOLERANCE = 1e-9
+"""Values closer than this (relative to ``max(1, |value|)``) count as equal: a group of them carries no
+signal. Sums of the same rewards in another order differ in the last bits (``0.1 + 0.2`` is not
+``0.3``), around 1e-16 per term; a real reward difference is many orders of magnitude above 1e-9."""
+
+
+def nearly_equal_span(high: Tensor, low: Tensor) -> Tensor:
+    """Elementwise: ``high - low`` is within ``EQUAL_VALUES_TOLERANCE`` of 0 (scaled by the values'
+    magnitude, at least 1). ``high``/``low`` any shape (e.g. [G] per-group max and min)."""
+    scale = torch.maximum(high.abs(), low.abs()).clamp(min=1.0)
+    return (high - low) <= EQUAL_VALUES_TOLERANCE * scale
+
+
+def values_uniform(values: Sequence[float] | Tensor) -> bool:
+    """Whether all ``values`` (a flat list or tensor) are equal up to ``EQUAL_VALUES_TOLERANCE``; True
+    when empty. NaN is never uniform (raise on it before calling, where it can reach)."""
+    flat = values.detach().reshape(-1).tolist() if isinstance(values, Tensor) else [float(v) for v in values]
+    if not flat:
+        return True
+    if not all(math.isfinite(v) for v in flat):
+        return False
+    high, low = max(flat), min(flat)
+    return high - low <= EQUAL_VALUES_TOLERANCE * max(abs(high), abs(low), 1.0)  # as nearly_equal_span
+
+
 def group_uniform(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
-    """[N] bool: the sample's group (``inverse`` from ``group_index``) has all values exactly equal.
+    """[N] bool: the sample's group (``inverse`` from ``group_index``) has all values equal up to
+    ``EQUAL_VALUES_TOLERANCE``.
 
     Such a group carries no learning signal. Its mean computed in floating point need not equal the
-    values (ten rewards of 0.1 average to 0.09999999...), so ``r - mean`` is a tiny non-zero number
-    that std normalisation would blow up; estimators zero these groups explicitly.
+    values (ten rewards of 0.1 average to 0.09999999...), and returns summed in another order differ
+    in the last bits, so ``r - mean`` is a tiny non-zero number that std normalisation would blow
+    up; estimators zero these groups explicitly.
     """
     high = torch.full((num_groups,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amax")
     low = torch.full((num_groups,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(0, inverse, values, "amin")
-    return (high == low)[inverse]
+    return nearly_equal_span(high, low)[inverse]
 
 
 def group_mean_std(values: Tensor, group_ids: Tensor, unbiased: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample group mean, group std and group size, each [N].
 
     The std of a group of one is 0 (no spread; the Bessel-corrected formula would divide by zero).
-    A group whose values are all equal gets exactly its value as mean and std 0 (see
-    ``group_uniform``), so ``value - mean`` is exactly 0 there.
+    A group whose values are all equal (up to ``EQUAL_VALUES_TOLERANCE``, see ``group_uniform``)
+    gets std 0 and each sample's own value as its mean, so ``value - mean`` is exactly 0 there.
     """
     inverse, g = group_index(group_ids)
     count = group_count(inverse, g, values.dtype)  # [G]
@@ -95,6 +123,39 @@ def group_mean_std(values: Tensor, group_ids: Tensor, unbiased: bool) -> tuple[T
 
 
 # --- groups <-> flat vectors -------------------------------------------------------------------
+
+
+def episode_reward_problems(groups: Sequence[TrajectoryGroup]) -> list[str]:
+    """Trajectories whose episode reward is not the sum of their turns' rewards (up to
+    ``EQUAL_VALUES_TOLERANCE``), one readable line each ([] when all agree).
+
+    Episode estimators read ``Trajectory.reward`` and per-turn ones ``Turn.reward``: when the two
+    disagree (a failed episode zeroed on one side only), estimators disagree on the same episode.
+    A trajectory without turns (message-level, nothing to train) is not checked."""
+    problems = []
+    for group in groups:
+        for trajectory in group.trajectories:
+            if not trajectory.turns:
+                continue
+            turn_sum = sum(turn.reward for turn in trajectory.turns)
+            if not math.isclose(trajectory.reward, turn_sum, rel_tol=EQUAL_VALUES_TOLERANCE, abs_tol=EQUAL_VALUES_TOLERANCE):
+                problems.append(
+                    f"task {group.task_id} sample {trajectory.sample_index} ({trajectory.end_reason}): episode reward "
+                    f"{trajectory.reward!r} but its {len(trajectory.turns)} turn rewards sum to {turn_sum!r}"
+                )
+    return problems
+
+
+def check_episode_rewards(groups: Sequence[TrajectoryGroup]) -> None:
+    """Raise ``ValueError`` unless every trajectory's episode reward is the sum of its turn rewards
+    (``episode_reward_problems``)."""
+    problems = episode_reward_problems(groups)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            "episode reward != sum of turn rewards, so episode and per-turn estimators would disagree: "
+            + "; ".join(problems[:3]) + more
+        )
 
 
 def episode_rewards(groups: Sequence[TrajectoryGroup]) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from tracegym.algos._groups import EstimatorResult, TurnAdvantages
+from tracegym.algos._groups import EstimatorResult, TurnAdvantages, check_episode_rewards
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
 from tracegym.types import TrajectoryGroup
 
@@ -59,14 +59,17 @@ def estimate(
     and the estimator's metrics (an estimator returns either the bare list or an ``EstimatorResult``).
 
     Raises ``KeyError`` for an unknown name (with the registered names), ``ValueError`` for bad
-    options, and ``ValueError`` when the estimator returns the wrong shape or a non-finite value
-    (naming the group, trajectory and turn), so a buggy plugin cannot train on garbage.
+    options, ``ValueError`` when a trajectory's episode reward is not the sum of its turn rewards
+    (episode and per-turn estimators would read different rewards), and ``ValueError`` when the
+    estimator returns the wrong shape or a non-finite value (naming the group, trajectory and turn),
+    so a buggy plugin cannot train on garbage.
     """
     entry = ADVANTAGE_ESTIMATORS.entry(name)
     try:
         opts = entry.parse_options(options)
     except ValidationError as error:
         raise ValueError("; ".join(_option_problems(error, entry.options, f"estimator {name!r} options"))) from None
+    check_episode_rewards(groups)  # one pass over the turns: cheap next to any estimator
     out = entry(list(groups), opts)
     metrics: dict[str, float] = {}
     weights = None

@@ -53,7 +53,10 @@ class PolicyLossBatch(Protocol):
     """[B] bool: rows whose engine log-probs are known."""
     normalizers: LossNormalizers
     """Denominators of the full batch. (Optional, read with ``getattr``: ``weights`` [B, T], the
-    per-token sample weights, 1 on sampled tokens unless the estimator set per-turn weights.)"""
+    per-token sample weights, 1 on sampled tokens unless the estimator set per-turn weights;
+    ``trajectory_ids`` [B], rows of one trajectory share it and form one sequence of the sequence
+    aggregations and of GSPO's ratio; ``trajectory_rest_sizes`` [B], ``sum m * weights`` of the
+    row's trajectory outside the row in the full batch. ``tracegym.batch.Batch`` has all three.)"""
     old_logprobs: Tensor | None
     """The trainer's log-probs before the update, or None."""
     ref_logprobs: Tensor | None
@@ -98,11 +101,15 @@ def compute_policy_loss(
         raise ValueError("entropy_coef > 0 needs the token entropy; pass it from token_logprobs_and_entropy")
     normalizers = batch_part.normalizers
     sample_weights = getattr(batch_part, "weights", None)
+    trajectory_ids: Tensor | None = getattr(batch_part, "trajectory_ids", None)  # [B] or None: a row per sequence
+    # [B] counted with the batch's weights, so only meaningful together with them as sample weights
+    rest_sizes: Tensor | None = getattr(batch_part, "trajectory_rest_sizes", None) if sample_weights is not None else None
 
     def reduce(per_token: Tensor, token_weights: Tensor | None = None) -> Tensor:
         return aggregate(
             per_token, mask, cfg.aggregation, normalizers=normalizers, fixed_length=cfg.fixed_length,
-            token_weights=token_weights, sample_weights=sample_weights,
+            token_weights=token_weights, sample_weights=sample_weights, trajectory_ids=trajectory_ids,
+            trajectory_rest_sizes=rest_sizes,
         )
 
     if batch_part.old_logprobs is None and cfg.loss_needs_old_logprobs:
@@ -139,6 +146,7 @@ def compute_policy_loss(
         # object without them still serves every loss that does not need them
         behaviour_logprobs=None if behaviour is None else behaviour.detach(),
         has_behaviour_logprobs=getattr(batch_part, "has_engine_logprobs", None) if behaviour is not None else None,
+        trajectory_ids=trajectory_ids,
     )
     per_token, loss_metrics = POLICY_LOSSES.entry(cfg.loss)(inputs, cfg.loss_options)
     if not isinstance(per_token, Tensor) or per_token.shape != mask.shape:

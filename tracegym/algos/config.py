@@ -70,7 +70,8 @@ class PolicyLossCommon(BaseModel):
 
     kl_penalty: Literal["loss", "reward"] = "loss"
     """Where the KL penalty goes: added to the loss (``compute_policy_loss`` does it), or taken off
-    the rewards before advantages are estimated (the recipe calls ``kl_penalized_rewards``)."""
+    the rewards before advantages are estimated (``tracegym.recipes.rl.kl_in_reward``: ``kl_coef`` times
+    the episode's summed per-token KL off its last turn's reward and its episode reward)."""
 
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus: the loss minus ``entropy_coef`` times the aggregated token entropy. 0: off."""

@@ -14,8 +14,13 @@ For trajectory ``i`` of a task group ``E`` with episode reward ``R_i`` and per-t
 
 ``S(i,t)`` is the step group: every turn ``(j, k)`` of the same task whose state key equals that of
 ``(i, t)``. A step group of one (a state only this turn saw) gets step part 0; so does a turn without
-a state key. ``std_norm`` divides each part by the std of its group (the paper's ``mean_std_norm``);
-the default ``mean_norm`` does not.
+a state key. ``std_norm`` divides each centred part by ``std + eps``, ``std`` the Bessel-corrected
+(sample, ``n - 1``) std of its group: of the episode rewards of ``E`` for the episode part, of the
+returns of ``S(i,t)`` for the step part. That is ``torch.std`` as verl-agent's GiGPO code takes it
+(its ``mean_std_norm``) and the std ``grpo`` uses by default (``R = [1, 0]`` gives ``+-0.7071``, not
+the population std's ``+-1``). A group whose values are all equal (up to
+``EQUAL_VALUES_TOLERANCE``) gets 0. The default (``std_norm=False``, verl-agent's ``mean_norm``)
+only centres.
 
 Bias. With the sample inside its own baseline (the paper's form) and with ``std_norm`` the estimate
 is biased (the baseline depends on the sample; std scaling rescales per group). ``leave_one_out``
@@ -43,9 +48,9 @@ from tracegym.types import TrajectoryGroup
 
 
 def _centre(values: torch.Tensor, ids: torch.Tensor, *, leave_one_out: bool, std_norm: bool, eps: float) -> torch.Tensor:
-    """``values - group mean`` (leave-one-out: mean of the others), optionally / group std; groups of
-    one get 0. ``values``/``ids`` [M]; returns [M]."""
-    mean, std, count = group_mean_std(values, ids, unbiased=False)
+    """``values - group mean`` (leave-one-out: mean of the others), optionally / (group sample std +
+    eps); groups of one and all-equal groups get 0. ``values``/``ids`` [M]; returns [M]."""
+    mean, std, count = group_mean_std(values, ids, unbiased=True)  # std only used with std_norm
     centred = values - mean
     if leave_one_out:  # v - mean_{others} = n/(n-1) (v - mean)
         centred = centred * count / (count - 1.0).clamp(min=1.0)

@@ -6,8 +6,10 @@ the length-normalised geometric mean of token ratios::
     s_i = exp( (1/|y_i|) sum_t (logp_{i,t} - old_logp_{i,t}) )
 
 and the objective is ``(1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)``, i.e. the
-clipped surrogate with ``aggregation: sequence_mean``. It is computed in the paper's "GSPO-token"
-form ``s_{i,t} = sg[s_i] * exp(logp_{i,t} - sg[logp_{i,t}])``: every token carries the value
+clipped surrogate with ``aggregation: sequence_mean``. ``y_i`` is a whole trajectory: when its
+template split it into several rows (``LossInputs.trajectory_ids``), ``s_i`` is taken over all of
+them and every row carries it, as ``sequence_mean`` counts the trajectory once. It is computed in
+the paper's "GSPO-token" form ``s_{i,t} = sg[s_i] * exp(logp_{i,t} - sg[logp_{i,t}])``: every token carries the value
 ``s_i``; with advantages constant over a sequence and ``sequence_mean`` aggregation the gradient is
 exactly GSPO's, and per-token (e.g. per-turn) advantages are allowed. Clip ranges are about three
 orders of magnitude smaller than PPO's (the paper: 3e-4 / 4e-4, the defaults here).
@@ -19,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tracegym.algos.aggregation import trajectory_totals
 from tracegym.algos.loss_inputs import LossInputs
 from tracegym.algos.ppo_clip import clipped_surrogate
 from tracegym.algos.registry import POLICY_LOSSES
@@ -41,10 +44,15 @@ class GSPOOptions(BaseModel):
         return self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
 
 
-def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """``(1/|y_i|) sum_t mask * (logp - old_logp)`` per row -> [B] (0 for rows without tokens)."""
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, trajectory_ids: Tensor | None = None) -> Tensor:
+    """``(1/|y_i|) sum_{t in y_i} mask * (logp - old_logp)`` for the sequence ``y_i`` of each row -> [B]
+    (0 for rows without tokens). ``trajectory_ids`` [B]: rows sharing an id are one sequence (a
+    trajectory split by its template) and all get its value; None: a sequence per row. All [B, T]."""
     m = mask.to(logprobs.dtype)
-    return ((logprobs - old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    numerator, count = ((logprobs - old_logprobs) * m).sum(-1), m.sum(-1)  # [B] each
+    if trajectory_ids is not None:  # a trajectory of one row keeps its own values exactly
+        numerator, count = trajectory_totals(numerator, trajectory_ids), trajectory_totals(count, trajectory_ids)
+    return numerator / count.clamp(min=1.0)
 
 
 @POLICY_LOSSES.register("gspo", options=GSPOOptions)
@@ -54,7 +62,8 @@ def gspo_loss(inputs: LossInputs, opts: GSPOOptions) -> tuple[Tensor, dict[str, 
     tokens, ``approx_kl`` from the token log-ratios."""
     logprobs, old = inputs.logprobs, inputs.old_logprobs.detach()
     limit = inputs.log_ratio_limit
-    seq = sequence_log_ratio(logprobs, old, inputs.mask).detach().clamp(-limit, limit)  # [B]
+    # [B]: one value per trajectory (all its rows; the micro-batch splitters keep them in one part)
+    seq = sequence_log_ratio(logprobs, old, inputs.mask, inputs.trajectory_ids).detach().clamp(-limit, limit)
     # value: s_i at every token; gradient: s_i * grad(logp_t) per token
     ratio = torch.exp(seq.unsqueeze(-1) + logprobs - logprobs.detach())  # [B, T]
     per_token, metrics = clipped_surrogate(

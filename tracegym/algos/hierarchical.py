@@ -12,7 +12,10 @@ the solver solves about half the time, ``valid * 4 p (1 - p)`` with ``p`` the so
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
+
+from tracegym.algos._groups import values_uniform
 
 __all__ = ["hierarchical_advantages", "learnability_reward"]
 
@@ -29,12 +32,22 @@ def learnability_reward(valid: bool, pass_rate: float) -> float:
 def hierarchical_advantages(groups: Sequence[Sequence[float]]) -> list[list[float]]:
     """Each group's rewards minus the group's mean (no std: GRPO's difficulty bias avoided, as in
     Dr. GRPO). Call it once per level: solver groups are one proposal's attempts, proposer groups
-    one seed's proposals. ``[[1, 1, 0]] -> [[1/3, 1/3, -2/3]]``."""
+    one seed's proposals. ``[[1, 1, 0]] -> [[1/3, 1/3, -2/3]]``.
+
+    A group whose rewards are all equal (up to ``EQUAL_VALUES_TOLERANCE``: three learnability rewards
+    of 0.75 average to 0.7500000000000001) gets exactly 0, so ``has_signal`` skips it. A NaN or
+    infinite reward raises ``ValueError`` naming the group and the position (it would silently make
+    the whole group NaN or, compared with ``!=``, look like signal)."""
     out = []
-    for rewards in groups:
-        if not rewards:
-            out.append([])
+    for g, rewards in enumerate(groups):
+        values = [float(r) for r in rewards]
+        bad = [i for i, r in enumerate(values) if not math.isfinite(r)]
+        if bad:
+            raise ValueError(f"hierarchical_advantages: group {g} has non-finite rewards at positions {bad[:10]}: "
+                             f"{[values[i] for i in bad[:10]]}")
+        if values_uniform(values):  # also the empty group
+            out.append([0.0] * len(values))
             continue
-        mean = sum(rewards) / len(rewards)
-        out.append([float(r) - mean for r in rewards])
+        mean = sum(values) / len(values)
+        out.append([r - mean for r in values])
     return out

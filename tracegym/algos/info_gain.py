@@ -42,7 +42,9 @@ Metrics: ``info_gain_abs_mean`` (mean ``|I|`` over the turns that have a next tu
 ``gate_mean`` (mean ``g`` over trajectories), ``intrinsic_scale`` (``m``).
 
 A trajectory of two or more turns whose turns (the last excepted) lack ``metrics["info_gain"]`` is
-refused: the scores come from the model-aware step, which must run first.
+refused: the scores come from the model-aware step, which must run first. A NaN or infinite score is
+an error naming the task, sample and turn, with or without ``normalize_std`` (NaN fails every ``std >
+0`` test, so it would otherwise zero the group's intrinsic term without a word).
 """
 
 from __future__ import annotations
@@ -63,13 +65,20 @@ METRIC = "info_gain"
 def info_gain_scores(group: TrajectoryGroup) -> list[list[float]]:
     """``[trajectory][turn]`` of ``Turn.metrics["info_gain"]`` (the last turn: 0 when absent).
 
-    Raises ``ValueError`` when a trajectory of 2+ turns has a turn without a score."""
+    Raises ``ValueError`` when a trajectory of 2+ turns has a turn without a score, or when a score
+    is NaN or infinite (naming the task, sample and turn)."""
     out: list[list[float]] = []
     for i, trajectory in enumerate(group.trajectories):
         values = []
         for t, turn in enumerate(trajectory.turns):
             if METRIC in turn.metrics:
-                values.append(float(turn.metrics[METRIC]))
+                score = float(turn.metrics[METRIC])
+                if not math.isfinite(score):  # NaN would drop out of every std below and zero the group silently
+                    raise ValueError(
+                        f"estimator 'info_gain': task {group.task_id} sample {trajectory.sample_index} turn {t} has a "
+                        f"non-finite Turn.metrics['info_gain'] = {score!r} (a NaN/inf log-prob in the scoring pass?)"
+                    )
+                values.append(score)
             elif t == len(trajectory.turns) - 1:
                 values.append(0.0)
             else:

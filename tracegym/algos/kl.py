@@ -9,7 +9,10 @@ Source: John Schulman, "Approximating KL divergence" (blog, 2020). With tokens `
 - ``k3 = (r - 1) - log r``: unbiased (since ``E_pi[r] = 1``), low variance, non-negative.
 
 Used in the reward (``PolicyLossConfig.kl_penalty = "reward"``) only the *value* matters: a detached
-penalty on the return, and k1 (the log-likelihood ratio) is the usual choice.
+penalty on the return, and k1 (the log-likelihood ratio) is the usual choice. The one implementation
+is ``tracegym.recipes.rl.kl_in_reward``: ``beta * sum_t m_t kl_per_token(...)`` over every sampled
+token of an episode (all rows of a trajectory its template split), taken off its last turn's reward
+and its episode reward before the estimator runs.
 
 Used in the loss (``kl_penalty = "loss"``) what matters is the *gradient*: the tokens are fixed
 samples of ``pi`` and the gradient flows through ``logp = log pi(x)`` only (no score-function
@@ -65,36 +68,3 @@ def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") 
     except KeyError:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}") from None
     return fn(logprobs, ref_logprobs)
-
-
-def kl_penalized_rewards(
-    rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
-) -> Tensor:
-    """Sequence rewards minus ``beta`` times the summed per-token KL: ``r_i - beta * sum_t kl_{i,t}``.
-
-    Call it on episode rewards *before* the advantage estimator (as in PPO-RLHF, Ouyang et al.
-    2022, and RLOO, Ahmadian et al. 2024). ``rewards`` [N], the rest [N, T]; returns [N], detached.
-    k1 is the usual choice here: summed over a sequence it is the log-likelihood ratio of the whole
-    sample, an unbiased estimate of the sequence-level KL.
-    """
-    if rewards.dim() != 1 or logprobs.dim() != 2 or logprobs.shape[0] != rewards.shape[0]:
-        raise ValueError(f"rewards must be [N] and logprobs [N, T], got {tuple(rewards.shape)} and {tuple(logprobs.shape)}")
-    with torch.no_grad():
-        kl = kl_per_token(logprobs, ref_logprobs, estimator) * mask.to(logprobs.dtype)
-        return rewards - beta * kl.sum(dim=-1)
-
-
-def kl_penalized_advantages(
-    advantages: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
-) -> Tensor:
-    """Per-token advantages minus ``beta`` times the KL reward-to-go: ``A_t - beta * sum_{t' >= t} kl_t'``.
-
-    Treats ``-beta * kl_t`` as a reward at each generated token (undiscounted) and adds its return
-    to the token's advantage, for advantages that were already computed. All inputs [B, T]
-    (target-aligned); returns [B, T], detached, unchanged where ``mask`` is 0.
-    """
-    with torch.no_grad():
-        m = mask.to(logprobs.dtype)
-        kl = kl_per_token(logprobs, ref_logprobs, estimator) * m
-        to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [B, T]: sum over t' >= t
-        return advantages - beta * to_go * m

@@ -8,7 +8,8 @@ Source: Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Opti
     undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
 
 ``z0 = max(0, mean r(x, y'))`` over *mismatched* pairs of the batch (a task's first prompt ``x`` with
-another trajectory's continuation ``y'``), detached: an estimate of ``KL(pi || ref)`` that moves with
+another trajectory's whole continuation ``y'``, every training example of it when its template split it:
+``tracegym.recipes.dpo.mismatched_sequence``), detached: an estimate of ``KL(pi || ref)`` that moves with
 training but carries no gradient. The paper advises ``lambda_D n_D / (lambda_U n_U)`` in [1, 4/3]
 (``n``: desirable and undesirable counts); the recipe warns outside that range.
 """

@@ -50,6 +50,10 @@ class LossInputs:
     has_behaviour_logprobs: Tensor | None = None
     """[B] bool: rows whose ``behaviour_logprobs`` are known (``Batch.has_engine_logprobs``; False for
     scripted expert turns); None means every row."""
+    trajectory_ids: Tensor | None = None
+    """[B] long: rows sharing an id are parts of one trajectory (a template that rewrote history
+    splits it), one sequence for sequence-level quantities (GSPO's ratio); None: a sequence per row.
+    The micro-batch splitters keep a trajectory's rows in one part."""
 
     def __post_init__(self) -> None:
         tensors = {"logprobs": self.logprobs, "old_logprobs": self.old_logprobs, "advantages": self.advantages, "mask": self.mask}
@@ -65,6 +69,9 @@ class LossInputs:
             raise ValueError(
                 f"has_behaviour_logprobs must be [B] = ({self.logprobs.shape[0]},), one flag per row; got {tuple(rows.shape)}"
             )
+        ids = self.trajectory_ids
+        if ids is not None and tuple(ids.shape) != (self.logprobs.shape[0],):
+            raise ValueError(f"trajectory_ids must be [B] = ({self.logprobs.shape[0]},), one id per row; got {tuple(ids.shape)}")
         if self.log_ratio_limit <= 0:
             raise ValueError(f"log_ratio_limit must be positive, got {self.log_ratio_limit}")
 

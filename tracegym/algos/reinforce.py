@@ -11,7 +11,7 @@ from torch import Tensor
 
 from typing import Sequence
 
-from tracegym.algos._groups import TurnAdvantages, broadcast_to_turns, check_rewards_and_groups, episode_rewards
+from tracegym.algos._groups import TurnAdvantages, broadcast_to_turns, check_rewards_and_groups, episode_rewards, values_uniform
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
 from tracegym.types import TrajectoryGroup
 
@@ -22,16 +22,18 @@ def reinforce_advantages(
     """``A_i = r_i - mean(r)`` over the whole batch (``baseline=False``: ``A_i = r_i``).
 
     ``normalize_std=True`` divides by ``std(r) + eps`` over the batch (population std), the
-    "whitening" common in REINFORCE-style RLHF code. ``group_ids`` is accepted for the common
-    signature and only checked for shape. ``rewards`` [N]; returns [N].
+    "whitening" common in REINFORCE-style RLHF code. With the baseline, a batch of equal rewards (up
+    to ``EQUAL_VALUES_TOLERANCE``) gets exactly 0; without it every ``r_i`` is kept (plain REINFORCE:
+    the one estimator option that does not zero a uniform group). ``group_ids`` is accepted for the
+    common signature and only checked for shape. ``rewards`` [N]; returns [N].
     """
     check_rewards_and_groups(rewards, group_ids)
-    if baseline and rewards.numel() and bool((rewards == rewards[0]).all()):
-        return torch.zeros_like(rewards)  # all equal: exactly no signal (the float mean may differ from them)
+    if baseline and values_uniform(rewards):
+        return torch.zeros_like(rewards)  # all equal (up to rounding): exactly no signal, whatever the float mean
     advantages = rewards - rewards.mean() if baseline else rewards.clone()
     if normalize_std:
         std = rewards.std(correction=0)
-        advantages = advantages / (std + eps) if std > 0 else torch.zeros_like(advantages)
+        advantages = advantages / (std + eps) if std > 0 and not values_uniform(rewards) else torch.zeros_like(advantages)
     return advantages
 
 

@@ -37,11 +37,11 @@ turns in a segment of more than one leaf).
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from typing import Collection, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from tracegym.algos._groups import EstimatorResult
+from tracegym.algos._groups import EstimatorResult, values_uniform
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
 from tracegym.types import Trajectory, TrajectoryGroup
 
@@ -94,7 +94,8 @@ def tree_turn_values(
 ) -> tuple[list[list[float]], list[list[float]], int]:
     """Per-turn advantages and weights of one tree (module docstring): ``rewards[i]`` of leaf ``i``
     whose turn ``k`` is node ``nodes[i][k]``. Returns ``(advantages, weights, segments)``, the first
-    two ``[leaf][turn]``."""
+    two ``[leaf][turn]``. Leaves of equal reward (up to ``EQUAL_VALUES_TOLERANCE``) give exactly 0 on
+    every turn (weights unchanged)."""
     n = len(rewards)
     values = [float(r) for r in rewards]
     if leaf_loo and n > 1:
@@ -104,10 +105,16 @@ def tree_turn_values(
     for i, path in enumerate(nodes):
         for node in path:
             below.setdefault(node, set()).add(i)
-    root_value = sum(values) / n if n else 0.0
+    # every leaf equally good (up to rounding): no segment beats another, exactly 0 everywhere
+    uniform = values_uniform([float(r) for r in rewards])
 
-    def value(leaves: frozenset[int]) -> float:
-        return sum(values[i] for i in leaves) / len(leaves)
+    def value(leaves: Collection[int]) -> float:
+        """Mean leaf value; exactly the common value when the leaves' values are equal (up to
+        rounding), so two segments of equal leaves differ by exactly 0, not by float noise."""
+        picked = [values[i] for i in leaves]
+        return picked[0] if values_uniform(picked) else sum(picked) / len(picked)
+
+    root_value = value(range(n)) if n else 0.0
 
     advantages: list[list[float]] = []
     weights: list[list[float]] = []
@@ -133,7 +140,7 @@ def tree_turn_values(
                 adv = values[i] - root_value
             else:
                 raise ValueError(f"tree mode must be treerl, local or grpo_leaves, got {mode!r}")
-            leaf_adv.append(adv)
+            leaf_adv.append(0.0 if uniform else adv)
             leaf_w.append(1.0 / size if weight == "1/L" else 1.0 / math.sqrt(size) if weight == "1/sqrtL" else 1.0)
         advantages.append(leaf_adv)
         weights.append(leaf_w)

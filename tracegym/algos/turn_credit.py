@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from tracegym.algos._groups import TurnAdvantages, group_index, group_mean_std, turn_reward_matrix, unflatten_turns
+from tracegym.algos._groups import (TurnAdvantages, group_index, group_mean_std, nearly_equal_span, turn_reward_matrix,
+                                   unflatten_turns, values_uniform)
 from tracegym.algos.registry import ADVANTAGE_ESTIMATORS
 from tracegym.types import TrajectoryGroup
 
@@ -130,9 +131,15 @@ def turn_grpo(
     ``leave_one_out=True`` (default, unbiased): ``b_i = mean_{j != i} G_{j,0}``, built from the other
     episodes only, so it does not depend on episode ``i``'s actions. ``False``: ``b_i`` includes
     ``G_{i,0}`` (GRPO's form, biased by ``(n-1)/n`` on the own-episode term). ``std_norm`` divides by
-    the std of ``G_{.,0}`` over the group (biased; 0 advantage for an all-equal group). With
-    ``gamma=1`` and one terminal reward, ``G_{i,t} = R_i`` and this equals ``rloo`` (``grpo`` with
-    ``leave_one_out=False, std_norm=True``). A group of one gets 0.
+    the std of ``G_{.,0}`` over the group (biased); whole returns equal up to
+    ``EQUAL_VALUES_TOLERANCE`` (``0.1 + 0.2`` vs ``0.3``) count as std 0 and give 0 advantages, like
+    ``grpo``, instead of a division by a rounding error. With ``gamma=1`` and one terminal reward,
+    ``G_{i,t} = R_i`` and this equals ``rloo`` (``grpo`` with ``leave_one_out=False, std_norm=True``).
+
+    A uniform group gets exactly 0 on every turn: a group of one, a group whose returns are all equal,
+    and a group of identical episodes (the same per-turn returns, up to the tolerance). Without that
+    rule identical episodes with rewards ``[.1, .1, .1]`` would get ``G_t - G_0 = [0, -.1, -.2]``: an
+    offset that is the same in every sample, so it compares nothing and only pushes later turns down.
     """
     out: list[TurnAdvantages] = []
     for group in groups:
@@ -140,15 +147,26 @@ def turn_grpo(
         returns = discounted_turn_returns(rewards, mask, gamma)  # [N, K]
         n = returns.shape[0]
         start = returns[:, 0]  # [N] whole-episode returns
-        every_return_equal = bool((returns[mask > 0] == start[0]).all())
-        if n < 2 or every_return_equal:  # nothing to compare (and exactly 0, whatever the float means say)
-            out.append([[0.0] * len(t.turns) for t in group.trajectories])
+        if n < 2 or values_uniform(returns[mask > 0]) or _identical_episodes(returns, mask):
+            out.append([[0.0] * len(t.turns) for t in group.trajectories])  # exactly 0, whatever the float means say
             continue
         total = start.sum()
         baseline = (total - start) / (n - 1) if leave_one_out else total.expand(n) / n  # [N]
-        advantages = (returns - baseline.unsqueeze(1)) * mask
+        baseline = baseline.unsqueeze(1).expand_as(returns)  # [N, K]
+        # a return equal to its baseline up to rounding (0.1 + 0.2 against 0.3) has advantage exactly 0
+        same = nearly_equal_span(torch.maximum(returns, baseline), torch.minimum(returns, baseline))  # [N, K]
+        advantages = torch.where(same, torch.zeros_like(returns), returns - baseline) * mask  # [N, K]
         if std_norm:
-            std = start.std(correction=1)
-            advantages = advantages / (std + eps) if std > 0 else torch.zeros_like(advantages)
+            _, std, _ = group_mean_std(start, torch.zeros(n, dtype=torch.long), unbiased=True)  # [N], 0 when uniform
+            advantages = advantages / (std[0] + eps) if std[0] > 0 else torch.zeros_like(advantages)
         out.append([[float(a) for a in advantages[i, : len(t.turns)]] for i, t in enumerate(group.trajectories)])
     return out
+
+
+def _identical_episodes(returns: Tensor, mask: Tensor) -> bool:
+    """Whether every episode of the group has the same turns and, turn by turn, the same return (up to
+    ``EQUAL_VALUES_TOLERANCE``). ``returns``/``mask`` [N, K] of one group."""
+    if not bool((mask == mask[0]).all()):
+        return False  # episodes of different lengths
+    present = mask[0] > 0  # [K]
+    return all(values_uniform(returns[:, k]) for k in range(returns.shape[1]) if present[k])

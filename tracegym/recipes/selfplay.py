@@ -55,11 +55,13 @@ def proposer_rewards(valid: Sequence[bool], pass_rates: Sequence[float | None]) 
 
 
 def _with_reward(trajectory: Trajectory, reward: float) -> Trajectory:
-    """``trajectory`` with its episode reward (and its last turn's) replaced by ``reward``."""
+    """``trajectory`` with its episode reward replaced by ``reward``, credited on its last turn and the
+    earlier turns' rewards zeroed, so the episode reward stays the sum of the turn rewards."""
     if not trajectory.turns:
         return trajectory.model_copy(update={"reward": reward})
+    turns = [turn.model_copy(update={"reward": 0.0}) for turn in trajectory.turns[:-1]]
     last = trajectory.turns[-1].model_copy(update={"reward": reward})
-    return trajectory.model_copy(update={"turns": (*trajectory.turns[:-1], last), "reward": reward})
+    return trajectory.model_copy(update={"turns": (*turns, last), "reward": reward})
 
 
 def _update(pool: Any, adapter: str, groups: list[TrajectoryGroup], advantages: list[list[list[float]]],
