@@ -2,9 +2,10 @@
 improves a competent multi-step agent").
 
 From the SFT adapter of a finished 3-call demo run (pass@1 >= 0.6 on its held-out tasks), RL with
-the demo's RL stage as it is now (``recipes/demo.py``: learning rate derived from the SFT rate and the
-batch, 2 warmup steps whose first already moves, LUFFY guidance for all-failure groups, the
-calculator's ``calls`` reward part, a trust region on the update) for each seed, evaluated on N
+the demo's RL stage (``recipes/demo.py``) and these settings: learning rate derived from the SFT rate
+and the batch (``rl_lr=None``), 2 warmup steps whose first already moves, LUFFY guidance for
+all-failure groups, the calculator's ``calls`` reward part (weight 0.3), a trust region on the
+update (0.02) — for each seed, evaluated on N
 held-out tasks; prints and writes the paired RL - SFT difference of pass@1 with its 95% CI per seed,
 the solve rate per operator (SFT vs RL, paired CI per operator), and the health columns (groups
 with signal per step, guided groups, drift).
@@ -12,8 +13,8 @@ with signal per step, guided groups, drift).
     .venv/bin/python bench/strong_start.py runs/strong_sft --seeds 0,1 --test-tasks 120 \\
         --out runs/strong_start
 
-The RL settings not given here are the demo's defaults (the demo run's own ``rl_*`` values are
-ignored: they are the settings that lost). Torch-heavy: run it alone on 2 cores.
+The demo run's own ``rl_*`` values are ignored (they are the settings that lost); ``--set`` changes
+any of the above. Torch-heavy: run it alone on 2 cores.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def main() -> None:
     if args.eval_samples:
         kept["eval_samples"] = args.eval_samples
         kept["eval_ks"] = [k for k in kept.get("eval_ks", [1]) if k <= args.eval_samples]
-    demo = load_config(DemoConfig, data={**kept, "test_tasks": args.test_tasks}, overrides=list(args.set))
+    holds = {"rl_lr": None, "rl_warmup_steps": 2, "rl_guidance": True, "rl_reward_parts": {"answer": 1.0, "calls": 0.3},
+             "rl_max_policy_drift": 0.02}  # the settings under test (docs/algorithms.md, "Why RL lost the strong start")
+    demo = load_config(DemoConfig, data={**kept, **holds, "test_tasks": args.test_tasks}, overrides=list(args.set))
     sft_adapter = args.demo_dir / "train_sft" / "final"
     if not (sft_adapter / "adapter_config.json").is_file():
         raise SystemExit(f"{sft_adapter} holds no adapter: {args.demo_dir} is not a finished demo run")

@@ -52,10 +52,16 @@ def test_the_rl_stage_takes_the_demo_settings():
     assert (rl.steps, rl.tasks_per_step, rl.group_size, rl.tasks.train) == (5, 3, 4, 15)
     assert rl.model.adapter == "runs/x/train_sft/final" and rl.env.options == {"num_calls": 3}
     assert rl.rollout.max_turns == 5 and rl.output_dir == "runs/x/train_rl"
-    # the defaults that hold: the RL rate derived from the SFT rate and the batch, guidance, the
-    # calls part of the calculator's reward, a trust region
-    default = rl_stage_config(DemoConfig(rl_tasks_per_step=8, rl_group_size=8), "a", "b")
-    assert default.optim.lr == 3e-4 / 8 and default.optim.warmup_steps == 2
-    assert default.guidance is not None and default.max_policy_drift == 0.02
-    assert default.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
-    assert default.rollout.temperature == default.eval.temperature == DemoConfig().temperature
+    # the strong-start settings (bench/strong_start.py): the RL rate derived from the SFT rate and
+    # the batch, guidance, the calculator's calls part, a trust region, one temperature pair
+    holds = rl_stage_config(DemoConfig(rl_tasks_per_step=8, rl_group_size=8, rl_lr=None, rl_warmup_steps=2,
+                                       rl_guidance=True, rl_reward_parts={"answer": 1.0, "calls": 0.3},
+                                       rl_max_policy_drift=0.02), "a", "b")
+    assert holds.optim.lr == 3e-4 / 8 and holds.optim.warmup_steps == 2
+    assert holds.guidance is not None and holds.max_policy_drift == 0.02
+    assert holds.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
+    assert holds.rollout.temperature == holds.eval.temperature == DemoConfig().temperature
+    # the one-call main job keeps the settings its README block was measured with
+    main_job = rl_stage_config(DemoConfig(), "a", "b")
+    assert (main_job.optim.lr, main_job.guidance, main_job.max_policy_drift) == (2e-4, None, None)
+    assert "reward_parts" not in main_job.env.options

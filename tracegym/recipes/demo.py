@@ -82,30 +82,33 @@ class DemoConfig(_Section):
     rl_group_size: int = Field(6, gt=0)
     """Samples per task in an RL group (GRPO's group)."""
 
-    rl_lr: float | None = Field(None, gt=0)
+    rl_lr: float | None = Field(2e-4, gt=0)
     """RL learning rate (LoRA). None: derived from ``sft_lr`` and the episodes per step by
     ``tracegym.train.optim.rl_learning_rate`` (``sft_lr / 8 * sqrt(episodes / 64)``, at most
-    ``sft_lr / 4``): 3.75e-5 for 3e-4 and 8 x 8 episodes. At 2/3 of the SFT rate (the round-2 demo's
-    2e-4) RL lost 0.28 pass@1 from a 0.675 SFT start (docs/algorithms.md, "Why RL lost the strong start")."""
+    ``sft_lr / 4``): 3.75e-5 for 3e-4 and 8 x 8 episodes. The one-call main job keeps 2e-4 (its short
+    SFT leaves much to gain, and its README block was measured so); from a strong 3-call SFT start
+    2e-4 lost 0.28 pass@1 (docs/algorithms.md, "Why RL lost the strong start")."""
 
-    rl_warmup_steps: int = Field(2, ge=0)
+    rl_warmup_steps: int = Field(0, ge=0)
     """RL steps of linear learning-rate warmup; step k of N runs at k/(N+1) of the rate, so the
     first one already moves. RL starts a fresh Adam, whose first updates move every weight by about
     the learning rate whatever the gradient's size."""
 
-    rl_guidance: bool = True
+    rl_guidance: bool = False
     """LUFFY guidance: a group whose samples all failed gets the env's expert trajectory (with
     LUFFY's shaped importance weight) before advantages, so it carries signal (``RLConfig.guidance``)."""
 
-    rl_reward_parts: dict[str, float] | None = Field(default_factory=lambda: {"answer": 1.0, "calls": 0.3})
+    rl_reward_parts: dict[str, float] | None = None
     """Reward parts of the RL env (``env_options`` + ``reward_parts``; docs/environments.md, "Reward
     parts"): the calculator's ``calls`` part pays 1/n for each call that reproduces a reference
     intermediate result, so groups whose final answers all agree still rank their episodes. The
-    evaluations score the final answer only. None: the env's default (the answer alone)."""
+    evaluations score the final answer only. None: the env's default (the answer alone). Example:
+    ``{"answer": 1.0, "calls": 0.3}`` (``bench/strong_start.py``)."""
 
-    rl_max_policy_drift: float | None = Field(0.02, gt=0)
+    rl_max_policy_drift: float | None = Field(None, gt=0)
     """Trust region of each RL update (``RLConfig.max_policy_drift``): KL(pi_old || pi_new) per
-    sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02). None: off."""
+    sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02; the strong-start
+    bench uses 0.02). None: off (the drift is still logged)."""
 
     micro_batch_size: int = Field(1, gt=0)
     """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
