@@ -49,6 +49,18 @@ def _common(summaries: list[dict[str, Any]], what: str) -> list[int]:
     return sorted(set.intersection(*sets))
 
 
+def _pick_turns(summaries: list[dict[str, Any]], turns: int | None) -> int:
+    """The turn budget T to compare at: ``turns`` if every evaluation has it, else the largest shared one."""
+    common_t = _common(summaries, "turns")
+    if turns is None:
+        if not common_t:
+            raise ValueError("the evaluations share no turn budget T; pass --turns")
+        return common_t[-1]
+    if turns not in common_t:
+        raise ValueError(f"not every evaluation has T={turns}; shared budgets: {common_t}")
+    return turns
+
+
 def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None = None, k: int | None = None,
             seed: int = 0) -> dict[str, Any]:
     """Load the evaluations and build the comparison (rows, chosen T and k, paired differences)."""
@@ -62,13 +74,7 @@ def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None 
         labels = [(p if p.is_dir() else p.parent).resolve().name for p in paths]
     if len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels for {len(paths)} evaluations")
-    common_t = _common(summaries, "turns")
-    if turns is None:
-        if not common_t:
-            raise ValueError("the evaluations share no turn budget T; pass --turns")
-        turns = common_t[-1]
-    elif turns not in common_t:
-        raise ValueError(f"not every evaluation has T={turns}; shared budgets: {common_t}")
+    turns = _pick_turns(summaries, turns)
     common_k = _common(summaries, "ks")
     if k is None:
         k = common_k[-1] if common_k else 1
@@ -140,13 +146,7 @@ def compare_seeds(dirs: list[str], labels: list[str] | None = None, turns: int |
         raise ValueError(f"{len(labels)} labels for {len(methods)} methods ({', '.join(map(str, methods))})")
     groups = {label: {s: load_eval(folder) for s, folder in sorted(runs.items())}
               for label, runs in zip(labels, methods.values())}
-    common_t = _common([summary for runs in groups.values() for summary in runs.values()], "turns")
-    if turns is None:
-        if not common_t:
-            raise ValueError("the evaluations share no turn budget T; pass --turns")
-        turns = common_t[-1]
-    elif turns not in common_t:
-        raise ValueError(f"not every evaluation has T={turns}; shared budgets: {common_t}")
+    turns = _pick_turns([summary for runs in groups.values() for summary in runs.values()], turns)
     pooled = pool_seeds(groups, turns, seed=seed)
     for row, runs in zip(pooled["methods"], methods.values()):
         row["dirs"] = {str(s): str(folder) for s, folder in sorted(runs.items())}

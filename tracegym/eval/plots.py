@@ -187,13 +187,7 @@ def training_curves_figure(
     axes = fig.subplots(nrows, cols, squeeze=False)
     for idx, key in enumerate(keys):
         ax = axes[idx // cols][idx % cols]
-        xs, ys = [], []
-        for i, row in enumerate(rows):
-            y = row.get(key)
-            x = row.get(x_key, i) if x_key else i
-            if _is_number(y) and _is_number(x):
-                xs.append(float(x))
-                ys.append(float(y))
+        xs, ys = metric_series(rows, key, x_key)
         ax.plot(xs, ys, linewidth=1.0, alpha=0.35 if smooth > 1 and len(ys) > smooth else 1.0, color="#264653")
         if smooth > 1 and len(ys) > smooth:
             kernel = np.ones(smooth) / smooth
@@ -207,6 +201,18 @@ def training_curves_figure(
     for idx in range(len(keys), nrows * cols):
         axes[idx // cols][idx % cols].set_visible(False)
     return fig
+
+
+def metric_series(rows: Sequence[Mapping[str, Any]], key: str, x_key: str | None) -> tuple[list[float], list[float]]:
+    """(x, y) of the rows holding a number under ``key`` (x: ``x_key``'s value, or the row index)."""
+    xs, ys = [], []
+    for i, row in enumerate(rows):
+        y = row.get(key)
+        x = row.get(x_key, i) if x_key else i
+        if _is_number(y) and _is_number(x):
+            xs.append(float(x))
+            ys.append(float(y))
+    return xs, ys
 
 
 def health_figure(
@@ -225,13 +231,7 @@ def health_figure(
     axes = fig.subplots(nrows, cols, squeeze=False)
     for idx, panel in enumerate(panels):
         ax = axes[idx // cols][idx % cols]
-        xs, ys = [], []
-        for i, row in enumerate(rows):
-            y = row.get(panel["key"])
-            x = row.get(x_key, i) if x_key else i
-            if _is_number(y) and _is_number(x):
-                xs.append(float(x))
-                ys.append(float(y))
+        xs, ys = metric_series(rows, panel["key"], x_key)
         ax.plot(xs, ys, linewidth=1.2, marker="o" if len(ys) <= 30 else None, markersize=3, color="#264653")
         threshold = panel.get("threshold")
         if _is_number(threshold):
