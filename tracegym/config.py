@@ -119,7 +119,8 @@ class OptimConfig(_Section):
     """AdamW denominator epsilon."""
 
     warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    """Optimizer steps of linear warmup to ``lr``: step k of N runs at k/(N+1) of it (the first step
+    already moves; transformers' warmup gives it 0)."""
 
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warmup: constant, linear decay to 0, or cosine decay to 0."""
@@ -589,8 +590,8 @@ class HealthConfig(_Section):
 
     drift_rows: int = Field(8, ge=0)
     """Rows of each step's batch on which ``drift/kl`` (KL(pi_old || pi_new) per sampled token, k3
-    estimator) is measured after the update: one forward pass over them, no gradient. 0: off (and
-    no ``max_policy_drift``)."""
+    estimator) is measured after the update: ``ceil(drift_rows / micro_batch_size)`` no-grad
+    forward passes. 0: off (``max_policy_drift`` needs it)."""
 
     probe_tasks: int = Field(8, ge=0)
     """Train tasks whose expert trajectories (the env's scripted expert, recorded once at the start)
@@ -604,7 +605,8 @@ class GuidanceConfig(_Section):
 
     source: Literal["expert"] = "expert"
     """Where the guidance trajectory comes from: ``expert`` (the env's scripted ``expert_action``,
-    recorded on the policy's token path; an env without an expert fails at the first guided step)."""
+    recorded on the policy's token path). An env whose expert cannot solve its tasks is refused at
+    the start (one expert episode is played before training)."""
 
     max_groups_per_step: int | None = Field(None, gt=0)
     """At most this many groups get guidance per step (None: every all-failure group)."""
@@ -758,6 +760,8 @@ class RLConfig(_Section):
                 raise ValueError("roles: rollout.engine must be hf or vllm (engines that sample per-row LoRA adapters)")
             if self.roles and not any(role.train for role in self.roles.values()):
                 raise ValueError("roles: at least one role must train (train: true)")
+        if self.max_policy_drift is not None and self.health.drift_rows == 0:
+            raise ValueError("max_policy_drift measures the drift on health.drift_rows rows; set drift_rows > 0")
         if self.guidance is not None and (self.roles or self.selfplay is not None or self.rollout.strategy != "chains"):
             raise ValueError("guidance: an expert trajectory joins a group of independent chains; it needs "
                              "rollout.strategy: chains and a single-agent run (no roles or selfplay)")

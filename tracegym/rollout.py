@@ -68,7 +68,7 @@ from tracegym.envs.episode import (
     play_episode,
 )
 from tracegym.memory import release_memory
-from tracegym.types import FinishReason, Generation, SamplingParams, Trajectory
+from tracegym.types import REWARD_PART_PREFIX, FinishReason, Generation, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,9 @@ def zero_reward(trajectory: Trajectory) -> Trajectory:
     different rewards for one episode; the invariant episode reward == sum of turn rewards holds
     (``tracegym.algos._groups.check_episode_rewards``)."""
     turns = tuple(turn.model_copy(update={"reward": 0.0}) if turn.reward != 0.0 else turn for turn in trajectory.turns)
-    return trajectory.model_copy(update={"reward": 0.0, "turns": turns})
+    # the named reward parts (``reward/<part>``) add up to the reward too: zeroed with it
+    metrics = {k: (0.0 if k.startswith(REWARD_PART_PREFIX) else v) for k, v in trajectory.metrics.items()}
+    return trajectory.model_copy(update={"reward": 0.0, "turns": turns, "metrics": metrics})
 
 
 def env_factory(env: "str | Callable[[], Env] | None", env_options: dict[str, Any] | None = None

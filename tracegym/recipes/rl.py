@@ -73,7 +73,8 @@ from tracegym.rollout_branches import score_mc_continuation
 from tracegym.rollout_tree import run_tree_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
-from tracegym.train.guidance import GUIDANCE_KEY, add_guidance, collect_guides, guidance_rows, needs_guidance, shape_guidance
+from tracegym.train.guidance import (GUIDANCE_KEY, add_guidance, collect_guides, guidance_rows, is_guidance, needs_guidance,
+                                     shape_guidance, without_guidance)
 from tracegym.train.health import HealthMonitor, group_health, mutual_information_proxy
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -223,7 +224,8 @@ def guide_groups(
 ) -> tuple[list[TrajectoryGroup], int]:
     """With ``guidance``: the env's expert trajectory joins each group whose samples all failed
     (before advantages: the group then carries signal and still sums to 0). Returns the groups and
-    the number guided."""
+    the number guided. A group whose expert episode failed too (or an env without an expert) stays
+    unguided and is counted in ``guidance/unsolved`` (the groups needing guidance minus those guided)."""
     if cfg.guidance is None:
         return list(groups), 0
     chosen = needs_guidance(groups, cfg.guidance)
@@ -233,7 +235,25 @@ def guide_groups(
     env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
     guides = collect_guides(env, [t for t in tasks if t.id in wanted], renderer, cfg.rollout.settings(),
                             env_options=env_options, seed=seed)
-    return add_guidance(groups, guides)
+    # a guide that would be dropped for length after advantages would leave its group's failures
+    # with negative advantages alone: only guides that fit join
+    fitting = {task: t for task, t in guides.items()
+               if all(len(e) <= cfg.max_length for e in renderer.build_examples(t))}
+    return add_guidance(groups, fitting, chosen)
+
+
+def check_guidance_source(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> None:
+    """With ``guidance``: one expert episode on a train task before training, so an env without a
+    working expert fails at the start with a clear error instead of never guiding."""
+    if cfg.guidance is None or not train_tasks:
+        return
+    env, env_options = env_source(cfg.env.name, cfg.env.options, None)
+    guides = collect_guides(env, list(train_tasks)[:1], renderer, cfg.rollout.settings(), env_options=env_options,
+                            seed=cfg.seed + 37)
+    if not any(t.success for t in guides.values()):
+        raise ValueError(f"guidance: the expert of env {cfg.env.name!r} did not solve a train task within the rollout "
+                         "limits (rollout.max_turns, max_tokens_per_turn); guidance needs an env with a working "
+                         "expert_action, or drop the guidance section")
 
 
 def probe_examples(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> list[Any]:
@@ -242,14 +262,15 @@ def probe_examples(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> 
     if not cfg.health.probe_tasks:
         return []
     env, env_options = env_source(cfg.env.name, cfg.env.options, None)
-    try:
-        guides = collect_guides(env, list(train_tasks)[: cfg.health.probe_tasks], renderer, cfg.rollout.settings(),
-                                env_options=env_options, seed=cfg.seed + 31)
-    except (NotImplementedError, AttributeError) as error:  # an env without a scripted expert
-        log.info("no probe set (drift/probe_nll off): %s", error)
-        return []
+    # the runner records an expert that raises as a failed episode: an env without one gives no probe
+    guides = collect_guides(env, list(train_tasks)[: cfg.health.probe_tasks], renderer, cfg.rollout.settings(),
+                            env_options=env_options, seed=cfg.seed + 31)
     examples = [e for t in guides.values() if t.success for e in renderer.build_examples(t)]
-    return [e for e in examples if len(e) <= cfg.max_length]
+    examples = [e for e in examples if len(e) <= cfg.max_length]
+    if not examples:
+        log.info("no probe set: the expert of env %r solved none of %d train tasks (drift/probe_nll off)",
+                 cfg.env.name, cfg.health.probe_tasks)
+    return examples
 
 
 def kl_in_reward(
@@ -261,13 +282,15 @@ def kl_in_reward(
     scored = examples_from_groups(groups, renderer)
     if not scored.examples:
         return list(groups), 0.0
+    guide = [is_guidance(groups[g].trajectories[i]) for g, i in zip(scored.group_index, scored.trajectory_index)]
     batch = make_batch(scored.examples, pad_token_id=pad_token_id)
     kl = kl_per_token(batch_logprobs(model, batch, micro_batch_size, temperature=temperature),
                       reference_logprobs(model, reference, batch, micro_batch_size, temperature), loss_cfg.kl_estimator)
     per_example = (kl * batch.loss_mask).sum(-1) * loss_cfg.kl_coef  # [E]
     penalty: dict[tuple[int, int], float] = {}
     for e, (g, i) in enumerate(zip(scored.group_index, scored.trajectory_index)):
-        penalty[(g, i)] = penalty.get((g, i), 0.0) + float(per_example[e])
+        if not guide[e]:  # the expert's tokens were not sampled by the policy: no KL estimate on them
+            penalty[(g, i)] = penalty.get((g, i), 0.0) + float(per_example[e])
     out = [
         group.model_copy(update={"trajectories": tuple(
             with_reward_offset(t, -penalty.get((g, i), 0.0)) for i, t in enumerate(group.trajectories))})
@@ -421,6 +444,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
 
     step, cursor = 0, 0  # cursor: task slots consumed so far (more than steps x tasks_per_step with resampling)
     health_monitor = HealthMonitor.from_config(cfg.health)
+    check_guidance_source(cfg, train_tasks, renderer)
     probe = build_probe(probe_examples(cfg, train_tasks, renderer), pad_id)
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
@@ -462,6 +486,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             #    version); with resampling, more tasks until enough carry signal
             writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
             groups, results, advantages, weights, rounds, estimator_metrics = [], [], [], [], 0, []
+            sampled: list[TrajectoryGroup] = []  # every episode as sampled (the rows' reward figures)
             dropped_too_long, guided_groups = 0, 0
             stale = False  # sampled by an older policy version (an asynchronous executor ran ahead)
             try:
@@ -475,6 +500,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                     seed = batch_seed(cfg.seed, step, rounds)
                     # over-long episodes leave their groups before the estimator sees them (their
                     # advantages would not sum to 0 over the rows that train)
+                    sampled += new
                     new, tasks, overlong = drop_overlong(new, tasks, renderer, cfg.max_length)
                     dropped_too_long += overlong
                     # groups whose samples all failed get the env's expert trajectory (LUFFY guidance)
@@ -496,19 +522,23 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             finally:
                 if writer is not None:
                     writer.close()
-            metrics: dict[str, Any] = rollout_metrics(groups, results)
+            metrics: dict[str, Any] = rollout_metrics(sampled, results)
             metrics.update({"time/rollout_s": time.perf_counter() - t_start, "groups/no_signal": float(len(groups) - with_signal),
                             "groups/resample_rounds": float(rounds), **executor.metrics()})
             if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "reward":
                 metrics["reward/kl_penalty"] = kl_penalty
             if cfg.guidance is not None:
                 metrics["guidance/groups"] = float(guided_groups)
-            # health: reward spread, groups with signal, and (on the policy that sampled) prompt/response MI
-            metrics.update(group_health(groups, advantages))
+                metrics["guidance/unsolved"] = float(sum(
+                    1 for g in groups if not any(t.success for t in g.trajectories)))
+            # health: reward spread, groups with signal (of the policy's own episodes: a guide would
+            # hide the echo trap), and (on the policy that sampled) prompt/response MI
+            metrics.update(group_health(*without_guidance(groups, advantages)))
             if cfg.health.mutual_information:
                 t_mi = time.perf_counter()
                 metrics.update(mutual_information_proxy(model, groups, pad_token_id=pad_id, max_pairs=cfg.health.mi_max_pairs,
-                                                        micro_batch_size=cfg.health.mi_max_pairs, temperature=temperature))
+                                                        micro_batch_size=min(cfg.health.mi_max_pairs, max(cfg.micro_batch_size, 2)),
+                                                        temperature=temperature))
                 metrics["time/health_mi_s"] = time.perf_counter() - t_mi
             for key in sorted({k for m in estimator_metrics for k in m}):  # e.g. GiGPO's step-group size, per round
                 values = [m[key] for m in estimator_metrics if key in m]
@@ -519,13 +549,15 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             data = examples_from_groups(groups, renderer, advantages, weights=weights, max_length=cfg.max_length,
                                         skip_groups=skip)
             metrics.update({"examples/count": float(len(data.examples)), "examples/template_splits": float(data.template_splits),
-                            "examples/dropped_too_long": float(dropped_too_long + data.dropped_too_long)})
+                            "examples/dropped_too_long": float(data.dropped_too_long),
+                            "episodes/dropped_too_long": float(dropped_too_long)})
 
             # 4. update, then weight sync: the trainer's engine (it calls this very model object, so
             #    this only drops its caches) and the executor's samplers (they copy the new weights)
             t_train = time.perf_counter()
             if data.examples:
-                batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
+                batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index,
+                                   trajectory_ids=data.trajectory_ids)
                 batch = score_batch(model, reference, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size,
                                     temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=stale)
                 if cfg.guidance is not None:  # LUFFY's shaped importance weight on the expert's tokens
@@ -562,7 +594,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 history.append(logger.log(step, metrics))
             loss_text = f" loss {metrics['train/loss']:.4f}" if "train/loss" in metrics else ""
             progress.update(1, info=f"reward {metrics['reward/mean']:.3f}{loss_text}",
-                            tokens=int(sum(t.num_generated_tokens for g in groups for t in g.trajectories)))
+                            tokens=int(sum(t.num_generated_tokens for g in sampled for t in g.trajectories)))
             if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
                 return RLResult(run_dir, None, step, history)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:

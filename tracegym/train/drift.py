@@ -6,7 +6,7 @@ evidence, then decides how far the policy goes (docs/algorithms.md, "Why RL lost
 Two measures make the move visible every step:
 
 * ``drift/kl``: KL(pi_old || pi_new) per sampled token on up to ``rows`` rows of the step's own
-  batch, with Schulman's unbiased, always-positive estimator ``k3 = (r - 1) - log r``,
+  batch (``ceil(rows / micro_batch_size)`` no-grad forward passes), with Schulman's unbiased, always-positive estimator ``k3 = (r - 1) - log r``,
   ``r = pi_new / pi_old`` (http://joschu.net/blog/kl-approx.html), over tokens sampled from pi_old.
 * ``drift/probe_nll``: mean negative log-likelihood per assistant token of a fixed probe set (expert
   trajectories of train tasks, chosen once at the start): it rises when RL forgets what SFT taught.
@@ -33,12 +33,14 @@ def drift_rows(batch: Batch, rows: int) -> Batch | None:
     """Up to ``rows`` evenly spaced rows of ``batch`` that hold sampled tokens with engine log-probs
     (so pi_old needs no extra forward pass); the measure's sample, fixed for the step. None when
     there is none (or ``rows`` is 0)."""
+    if rows <= 0:
+        return None
     candidates = [r for r in range(batch.size)
                   if bool(batch.has_engine_logprobs[r]) and float(batch.loss_mask[r].sum()) > 0]
     if len(candidates) > rows:
         step = len(candidates) / rows
         candidates = [candidates[int(i * step)] for i in range(rows)]
-    return batch.select(candidates) if candidates and rows > 0 else None
+    return batch.select(candidates) if candidates else None
 
 
 def kl_old_new(new_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> float:
@@ -55,9 +57,12 @@ def _logprobs(model: torch.nn.Module, batch: Batch, micro_batch_size: int, tempe
 
 
 def measure_drift(model: torch.nn.Module, sample: Batch, micro_batch_size: int, temperature: float) -> float:
-    """KL(pi_old || pi_model) per sampled token of ``sample`` (``drift_rows``), pi_old = the engine's."""
+    """KL(pi_old || pi_model) per sampled token of ``sample`` (``drift_rows``). pi_old: the trainer's
+    own old log-probs when the step computed them (top-p, stale batches, several passes: the
+    engine's would carry the nucleus renormalisation or the version lag), else the engine's."""
     new = _logprobs(model, sample, micro_batch_size, temperature)
-    return kl_old_new(new, sample.engine_logprobs.to(new.device), sample.loss_mask.to(new.device))
+    old = sample.old_logprobs if sample.old_logprobs is not None else sample.engine_logprobs
+    return kl_old_new(new, old.to(new.device), sample.loss_mask.to(new.device))
 
 
 def probe_nll(model: torch.nn.Module, probe: Batch | None, micro_batch_size: int) -> float | None:

@@ -43,16 +43,18 @@ def needs_guidance(groups: Sequence[TrajectoryGroup], cfg: GuidanceConfig) -> li
 
 
 def add_guidance(
-    groups: Sequence[TrajectoryGroup], guides: dict[str, Trajectory],
+    groups: Sequence[TrajectoryGroup], guides: dict[str, Trajectory], chosen: Sequence[int] | None = None,
 ) -> tuple[list[TrajectoryGroup], int]:
-    """Each group whose task has a successful guide gets it appended (marked ``info["guidance"]``);
-    returns the groups and how many were guided."""
+    """Each chosen group (None: every group) whose task has a successful guide gets it appended
+    (marked ``info["guidance"]``, with a sample index no other member has); returns the groups and
+    how many were guided."""
     out, guided = [], 0
-    for group in groups:
-        guide = guides.get(group.task_id)
+    picked = set(range(len(groups)) if chosen is None else chosen)
+    for g, group in enumerate(groups):
+        guide = guides.get(group.task_id) if g in picked else None
         if guide is not None and guide.success:
-            marked = guide.model_copy(update={"info": {**guide.info, GUIDANCE_KEY: True},
-                                              "sample_index": len(group.trajectories)})
+            index = max((t.sample_index for t in group.trajectories), default=-1) + 1
+            marked = guide.model_copy(update={"info": {**guide.info, GUIDANCE_KEY: True}, "sample_index": index})
             group = group.model_copy(update={"trajectories": (*group.trajectories, marked)})
             guided += 1
         out.append(group)
@@ -73,6 +75,22 @@ def collect_guides(
     result = run_rollouts_sync(env, list(tasks), "expert", renderer, config, progress=False, env_options=env_options,
                                policy_name="expert")
     return {t.task_id: t for t in result.trajectories}
+
+
+def is_guidance(trajectory: Trajectory) -> bool:
+    """Whether ``trajectory`` is an off-policy guidance trajectory (not sampled by the policy)."""
+    return bool(trajectory.info.get(GUIDANCE_KEY))
+
+
+def without_guidance(groups: Sequence[TrajectoryGroup], advantages: Sequence[Sequence[Sequence[float]]]
+                     ) -> tuple[list[TrajectoryGroup], list[list[list[float]]]]:
+    """The policy's own episodes of each group and their advantages (guidance trajectories left out)."""
+    out_groups, out_adv = [], []
+    for group, adv in zip(groups, advantages):
+        keep = [i for i, t in enumerate(group.trajectories) if not is_guidance(t)]
+        out_groups.append(group.model_copy(update={"trajectories": tuple(group.trajectories[i] for i in keep)}))
+        out_adv.append([list(adv[i]) for i in keep])
+    return out_groups, out_adv
 
 
 def shaping_weight(logprobs: Tensor, gamma: float) -> Tensor:
@@ -105,4 +123,4 @@ def shape_guidance(batch: Any, rows: Sequence[bool], gamma: float) -> Any:
 
 
 __all__ = ["GUIDANCE_KEY", "GuidanceConfig", "add_guidance", "all_failed", "collect_guides", "guidance_rows",
-           "needs_guidance", "shape_guidance", "shaping_weight"]
+           "is_guidance", "needs_guidance", "shape_guidance", "shaping_weight", "without_guidance"]

@@ -35,7 +35,8 @@ def batch_logprobs(
 ) -> torch.Tensor:
     """Log-probs of the batch's target tokens under ``model``, no grad, [B, T]; with
     ``disable_adapter`` those of the LoRA base model (the reference policy)."""
-    parts = split_microbatches(batch, micro_batch_size)
+    # scoring needs no whole trajectories (only GSPO's sequence ratio does): plain row parts
+    parts = split_microbatches(batch, micro_batch_size, keep_trajectories=False)
     device = next(model.parameters()).device
     context = model.disable_adapter() if disable_adapter else nullcontext()  # type: ignore[operator]
     values = []
@@ -147,7 +148,8 @@ def policy_update(
             optimizer.zero_grad(set_to_none=True)
             parts: list[dict[str, float]] = []
             parts_of_batch = (split_by_computed_tokens(batch, micro_batch_tokens) if micro_batch_tokens
-                              else split_microbatches(batch, micro_batch_size))
+                              else split_microbatches(batch, micro_batch_size,
+                                                      keep_trajectories=getattr(loss_cfg, "loss", "") == "gspo"))
             for part in parts_of_batch:
                 part = part.to(device)
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
