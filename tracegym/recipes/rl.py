@@ -537,8 +537,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             if cfg.health.mutual_information:
                 t_mi = time.perf_counter()
                 metrics.update(mutual_information_proxy(model, groups, pad_token_id=pad_id, max_pairs=cfg.health.mi_max_pairs,
-                                                        micro_batch_size=min(cfg.health.mi_max_pairs, max(cfg.micro_batch_size, 2)),
-                                                        temperature=temperature))
+                                                        micro_batch_size=cfg.health.mi_max_pairs, temperature=temperature))
                 metrics["time/health_mi_s"] = time.perf_counter() - t_mi
             for key in sorted({k for m in estimator_metrics for k in m}):  # e.g. GiGPO's step-group size, per round
                 values = [m[key] for m in estimator_metrics if key in m]
