@@ -47,7 +47,7 @@ def test_bad_option_names_it_and_the_allowed_ones() -> None:
         make("calculator", num_call=3)
     assert isinstance(info.value, ValueError)  # EnvOptionError: a bad keyword and a bad config value
     assert str(info.value) == ("env 'calculator' has no option 'num_call' (did you mean 'num_calls'?); "
-                               "allowed options: num_calls, max_turns, test_fraction, max_tool_output_chars")
+                               "allowed options: num_calls, max_turns, test_fraction, max_tool_output_chars, reward_parts")
 
 
 def test_bad_option_value_names_the_env() -> None:
