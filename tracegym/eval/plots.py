@@ -181,10 +181,7 @@ def training_curves_figure(
     """
     if not keys:
         raise ValueError("training_curves_figure needs at least one metric key")
-    cols = min(3, len(keys))
-    nrows = math.ceil(len(keys) / cols)
-    fig = _new_figure(3.6 * cols, 2.5 * nrows)
-    axes = fig.subplots(nrows, cols, squeeze=False)
+    fig, axes, cols, nrows = panel_grid(len(keys), 2.5)
     for idx, key in enumerate(keys):
         ax = axes[idx // cols][idx % cols]
         xs, ys = metric_series(rows, key, x_key)
@@ -201,6 +198,14 @@ def training_curves_figure(
     for idx in range(len(keys), nrows * cols):
         axes[idx // cols][idx % cols].set_visible(False)
     return fig
+
+
+def panel_grid(count: int, panel_height: float) -> tuple[Figure, Any, int, int]:
+    """A figure of ``count`` small panels, at most 3 per row: (figure, axes [rows][cols], cols, rows)."""
+    cols = min(3, count)
+    nrows = math.ceil(count / cols)
+    fig = _new_figure(3.6 * cols, panel_height * nrows)
+    return fig, fig.subplots(nrows, cols, squeeze=False), cols, nrows
 
 
 def metric_series(rows: Sequence[Mapping[str, Any]], key: str, x_key: str | None) -> tuple[list[float], list[float]]:
@@ -225,10 +230,7 @@ def health_figure(
     """
     if not panels:
         raise ValueError("health_figure needs at least one panel")
-    cols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig = _new_figure(3.6 * cols, 2.6 * nrows)
-    axes = fig.subplots(nrows, cols, squeeze=False)
+    fig, axes, cols, nrows = panel_grid(len(panels), 2.6)
     for idx, panel in enumerate(panels):
         ax = axes[idx // cols][idx % cols]
         xs, ys = metric_series(rows, panel["key"], x_key)
