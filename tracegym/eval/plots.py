@@ -190,13 +190,8 @@ def training_curves_figure(
             kernel = np.ones(smooth) / smooth
             smoothed = np.convolve(ys, kernel, mode="valid")
             ax.plot(xs[smooth - 1 :], smoothed, linewidth=1.6, color="#e76f51")
-        ax.set_title(key, fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, alpha=0.3)
-        if idx // cols == nrows - 1:
-            ax.set_xlabel(x_key or "record", fontsize=8)
-    for idx in range(len(keys), nrows * cols):
-        axes[idx // cols][idx % cols].set_visible(False)
+        style_panel(ax, key, idx // cols == nrows - 1, x_key)
+    hide_unused_panels(axes, len(keys), cols, nrows)
     return fig
 
 
@@ -206,6 +201,21 @@ def panel_grid(count: int, panel_height: float) -> tuple[Figure, Any, int, int]:
     nrows = math.ceil(count / cols)
     fig = _new_figure(3.6 * cols, panel_height * nrows)
     return fig, fig.subplots(nrows, cols, squeeze=False), cols, nrows
+
+
+def style_panel(ax: Any, title: str, bottom_row: bool, x_key: str | None) -> None:
+    """A small panel's title, ticks and grid; the x label on the bottom row only."""
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, alpha=0.3)
+    if bottom_row:
+        ax.set_xlabel(x_key or "record", fontsize=8)
+
+
+def hide_unused_panels(axes: Any, used: int, cols: int, nrows: int) -> None:
+    """Hide the grid cells after the first ``used`` panels."""
+    for idx in range(used, nrows * cols):
+        axes[idx // cols][idx % cols].set_visible(False)
 
 
 def metric_series(rows: Sequence[Mapping[str, Any]], key: str, x_key: str | None) -> tuple[list[float], list[float]]:
@@ -240,13 +250,8 @@ def health_figure(
             ax.axhline(float(threshold), color="#c4320a", linestyle="--", linewidth=1.0,
                        label=panel.get("threshold_label") or f"threshold {threshold:g}")
             ax.legend(fontsize=7, loc="best")
-        ax.set_title(f"{panel['title']}  ({panel['key']})", fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, alpha=0.3)
-        if idx // cols == nrows - 1:
-            ax.set_xlabel(x_key or "record", fontsize=8)
-    for idx in range(len(panels), nrows * cols):
-        axes[idx // cols][idx % cols].set_visible(False)
+        style_panel(ax, f"{panel['title']}  ({panel['key']})", idx // cols == nrows - 1, x_key)
+    hide_unused_panels(axes, len(panels), cols, nrows)
     return fig
 
 

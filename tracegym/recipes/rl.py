@@ -73,8 +73,8 @@ from tracegym.rollout_branches import score_mc_continuation
 from tracegym.rollout_tree import run_tree_rollouts_sync
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
-from tracegym.train.guidance import (GUIDANCE_KEY, add_guidance, collect_guides, guidance_rows, is_guidance, needs_guidance,
-                                     shape_guidance, without_guidance)
+from tracegym.train.guidance import (add_guidance, guidance_rows, is_guidance, needs_guidance, shape_guidance,
+                                     without_guidance)
 from tracegym.train.health import HealthMonitor, group_health, mutual_information_proxy
 from tracegym.train.info_gain import score_info_gain
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -162,7 +162,7 @@ def injection_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[s
 def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[RolloutResult]) -> dict[str, float]:
     """Rewards, episode shape, env failures and sampling speed of this step's rollouts (the policy's
     own episodes: guidance trajectories are counted in ``guidance/groups``, not here)."""
-    episodes: list[Trajectory] = [t for g in groups for t in g.trajectories if not t.info.get(GUIDANCE_KEY)]
+    episodes: list[Trajectory] = [t for g in groups for t in g.trajectories if not is_guidance(t)]
     rewards = [t.reward for t in episodes]
     mean = lambda values: float(statistics.fmean(values)) if values else 0.0  # noqa: E731
     metrics = {
@@ -232,42 +232,40 @@ def guide_groups(
     if not chosen:
         return list(groups), 0
     wanted = {groups[g].task_id for g in chosen}
-    env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
-    guides = collect_guides(env, [t for t in tasks if t.id in wanted], renderer, cfg.rollout.settings(),
-                            env_options=env_options, seed=seed)
-    # a guide that would be dropped for length after advantages would leave its group's failures
-    # with negative advantages alone: only guides that fit join
-    fitting = {task: t for task, t in guides.items()
-               if all(len(e) <= cfg.max_length for e in renderer.build_examples(t))}
-    return add_guidance(groups, fitting, chosen)
+    guides = expert_episodes(cfg, [t for t in tasks if t.id in wanted], renderer, seed=seed, injection=True)
+    return add_guidance(groups, guides, chosen)
 
 
-def check_guidance_source(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> None:
-    """With ``guidance``: one expert episode on a train task before training, so an env without a
-    working expert fails at the start with a clear error instead of never guiding."""
-    if cfg.guidance is None or not train_tasks:
-        return
-    env, env_options = env_source(cfg.env.name, cfg.env.options, None)
-    guides = collect_guides(env, list(train_tasks)[:1], renderer, cfg.rollout.settings(), env_options=env_options,
-                            seed=cfg.seed + 37)
-    if not any(t.success for t in guides.values()):
+def expert_episodes(cfg: RLConfig, tasks: Sequence[Any], renderer: Any, *, seed: int,
+                    injection: bool = False) -> dict[str, Trajectory]:
+    """The env's expert on ``tasks`` (greedy, on the policy's token path): ``{task_id: trajectory}`` of
+    the episodes it solved whose examples fit ``max_length`` (a guide dropped for length after
+    advantages would leave its group's failures with negative advantages alone). The runner records
+    an expert that raises as a failed episode, so an env without one gives {}."""
+    if not tasks:
+        return {}
+    env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection if injection else None)
+    config = RolloutConfig(**cfg.rollout.settings(temperature=0.0), samples_per_task=1, seed=seed)
+    result = run_rollouts_sync(env, list(tasks), "expert", renderer, config, progress=False, env_options=env_options,
+                               policy_name="expert")
+    return {t.task_id: t for t in result.trajectories
+            if t.success and all(len(e) <= cfg.max_length for e in renderer.build_examples(t))}
+
+
+def starting_probe(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> list[Any]:
+    """Before training, one expert pass over the first train tasks serves two ends: the fixed probe
+    set of ``drift/probe_nll`` (``health.probe_tasks`` tasks, as training examples; [] when off or
+    when the expert solves none), and with ``guidance`` the check that the env's expert solves a
+    task at all, so an env without a working expert fails here instead of never guiding."""
+    wanted = max(cfg.health.probe_tasks, 1 if cfg.guidance is not None else 0)
+    solved = expert_episodes(cfg, list(train_tasks)[:wanted], renderer, seed=cfg.seed + 31)
+    if cfg.guidance is not None and not solved:
         raise ValueError(f"guidance: the expert of env {cfg.env.name!r} did not solve a train task within the rollout "
                          "limits (rollout.max_turns, max_tokens_per_turn); guidance needs an env with a working "
                          "expert_action, or drop the guidance section")
-
-
-def probe_examples(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> list[Any]:
-    """The fixed probe set of ``drift/probe_nll``: the env's expert on the first ``health.probe_tasks``
-    train tasks, as training examples; [] when off or when the env has no expert."""
-    if not cfg.health.probe_tasks:
-        return []
-    env, env_options = env_source(cfg.env.name, cfg.env.options, None)
-    # the runner records an expert that raises as a failed episode: an env without one gives no probe
-    guides = collect_guides(env, list(train_tasks)[: cfg.health.probe_tasks], renderer, cfg.rollout.settings(),
-                            env_options=env_options, seed=cfg.seed + 31)
-    examples = [e for t in guides.values() if t.success for e in renderer.build_examples(t)]
-    examples = [e for e in examples if len(e) <= cfg.max_length]
-    if not examples:
+    probe_ids = [t.id for t in list(train_tasks)[: cfg.health.probe_tasks]]
+    examples = [e for task_id in probe_ids if task_id in solved for e in renderer.build_examples(solved[task_id])]
+    if cfg.health.probe_tasks and not examples:
         log.info("no probe set: the expert of env %r solved none of %d train tasks (drift/probe_nll off)",
                  cfg.env.name, cfg.health.probe_tasks)
     return examples
@@ -444,8 +442,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
 
     step, cursor = 0, 0  # cursor: task slots consumed so far (more than steps x tasks_per_step with resampling)
     health_monitor = HealthMonitor.from_config(cfg.health)
-    check_guidance_source(cfg, train_tasks, renderer)
-    probe = build_probe(probe_examples(cfg, train_tasks, renderer), pad_id)
+    probe = build_probe(starting_probe(cfg, train_tasks, renderer), pad_id)
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
     if restored is not None:

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from tracegym.batch import Batch
+from tracegym.batch import Batch, make_batch
+from tracegym.train.policy_update import batch_logprobs
 
 
 def drift_rows(batch: Batch, rows: int) -> Batch | None:
@@ -50,17 +51,11 @@ def kl_old_new(new_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> floa
     return float((k3 * mask).sum() / mask.sum().clamp(min=1.0))
 
 
-def _logprobs(model: torch.nn.Module, batch: Batch, micro_batch_size: int, temperature: float) -> Tensor:
-    from tracegym.train.policy_update import batch_logprobs
-
-    return batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
-
-
 def measure_drift(model: torch.nn.Module, sample: Batch, micro_batch_size: int, temperature: float) -> float:
     """KL(pi_old || pi_model) per sampled token of ``sample`` (``drift_rows``). pi_old: the trainer's
     own old log-probs when the step computed them (top-p, stale batches, several passes: the
     engine's would carry the nucleus renormalisation or the version lag), else the engine's."""
-    new = _logprobs(model, sample, micro_batch_size, temperature)
+    new = batch_logprobs(model, sample, micro_batch_size, temperature=temperature)
     old = sample.old_logprobs if sample.old_logprobs is not None else sample.engine_logprobs
     return kl_old_new(new, old.to(new.device), sample.loss_mask.to(new.device))
 
@@ -69,7 +64,7 @@ def probe_nll(model: torch.nn.Module, probe: Batch | None, micro_batch_size: int
     """Mean NLL per assistant token of the probe set at temperature 1 (None without a probe)."""
     if probe is None:
         return None
-    logprobs = _logprobs(model, probe, micro_batch_size, 1.0)
+    logprobs = batch_logprobs(model, probe, micro_batch_size, temperature=1.0)
     mask = probe.loss_mask.to(logprobs.device)
     return float(-(logprobs * mask).sum() / mask.sum().clamp(min=1.0))
 
@@ -111,8 +106,6 @@ def cap_drift(
 
 def build_probe(examples: Sequence[Any], pad_token_id: int) -> Batch | None:
     """The probe set's batch (its examples' assistant tokens are what ``probe_nll`` scores)."""
-    from tracegym.batch import make_batch
-
     return make_batch(list(examples), pad_token_id=pad_token_id) if examples else None
 
 

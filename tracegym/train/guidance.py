@@ -61,22 +61,6 @@ def add_guidance(
     return out, guided
 
 
-def collect_guides(
-    env: Any, tasks: Sequence[Any], renderer: Any, rollout_settings: dict[str, Any], *, env_options: dict[str, Any],
-    seed: int,
-) -> dict[str, Trajectory]:
-    """The env's expert on ``tasks``, recorded on the policy's token path: ``{task_id: trajectory}``.
-    An env without an expert fails here with the env's own error."""
-    from tracegym.rollout import RolloutConfig, run_rollouts_sync
-
-    if not tasks:
-        return {}
-    config = RolloutConfig(**{**rollout_settings, "temperature": 0.0}, samples_per_task=1, seed=seed)
-    result = run_rollouts_sync(env, list(tasks), "expert", renderer, config, progress=False, env_options=env_options,
-                               policy_name="expert")
-    return {t.task_id: t for t in result.trajectories}
-
-
 def is_guidance(trajectory: Trajectory) -> bool:
     """Whether ``trajectory`` is an off-policy guidance trajectory (not sampled by the policy)."""
     return bool(trajectory.info.get(GUIDANCE_KEY))
@@ -122,5 +106,5 @@ def shape_guidance(batch: Any, rows: Sequence[bool], gamma: float) -> Any:
     return dataclasses.replace(batch, advantages=batch.advantages * weight)
 
 
-__all__ = ["GUIDANCE_KEY", "GuidanceConfig", "add_guidance", "all_failed", "collect_guides", "guidance_rows",
+__all__ = ["GUIDANCE_KEY", "GuidanceConfig", "add_guidance", "all_failed", "guidance_rows",
            "is_guidance", "needs_guidance", "shape_guidance", "shaping_weight", "without_guidance"]

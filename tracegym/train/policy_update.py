@@ -62,8 +62,13 @@ def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float
     proximal policy), top-p (the engine renormalised over the nucleus, the trainer's softmax does
     not), rows without engine log-probs, or a ``stale`` batch (sampled by an older policy version:
     the ratio must start from the weights being updated, not from the sampler's)."""
-    return (epochs > 1 or loss_cfg.needs_old_logprobs or top_p < 1.0 or stale
-            or not bool(batch.has_engine_logprobs.all()))
+    return every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale) \
+        or not bool(batch.has_engine_logprobs.all())
+
+
+def every_row_needs_rescoring(loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False) -> bool:
+    """The reasons of ``needs_old_logprobs`` that hold for every row, not only those without engine log-probs."""
+    return epochs > 1 or loss_cfg.needs_old_logprobs or top_p < 1.0 or stale
 
 
 def score_batch(
@@ -82,8 +87,7 @@ def score_batch(
     old = None
     if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
         missing = ~batch.has_engine_logprobs.bool()
-        if needs_old_logprobs(batch.select(torch.nonzero(~missing).flatten()), loss_cfg, epochs=epochs, top_p=top_p,
-                              stale=stale) if bool((~missing).any()) else True:
+        if bool(missing.all()) or every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
             old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
         else:  # only some rows lack engine log-probs (e.g. guidance rows): score those alone
             rows = torch.nonzero(missing).flatten()
