@@ -55,6 +55,16 @@ def per_operator(tasks: list[Any], sft: dict[str, Any], rl: dict[str, Any], turn
     return out
 
 
+def wait_for(path: Path, timeout_s: float = 1800.0) -> Path:
+    """``path`` once it exists (another process writes it atomically); an error after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear within {timeout_s:.0f} s")
+        time.sleep(2.0)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("demo_dir", type=Path, help="a finished 3-call `tracegym demo` run (train_sft/final)")
@@ -62,6 +72,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1", help="RL seeds, one run each, one after another")
     parser.add_argument("--test-tasks", type=int, default=120)
     parser.add_argument("--eval-samples", type=int, default=None, help="samples per test task (default: the demo's)")
+    parser.add_argument("--sft-dir", type=Path, default=None,
+                        help="the SFT evaluation's folder (default: OUT/sft_test<N>x<samples>)")
+    parser.add_argument("--wait-sft", action="store_true",
+                        help="another process evaluates the SFT start into --sft-dir: train first, then wait for it")
+    parser.add_argument("--label", default="", help="a name for these settings in the results")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="demo RL settings other than the defaults, e.g. rl_steps=10 rl_tasks_per_step=8")
     args = parser.parse_args()
@@ -88,15 +103,14 @@ def main() -> None:
     test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
     turns = str(max(demo.eval_turns))
 
-    sft_dir = args.out / f"sft_test{demo.test_tasks}x{demo.eval_samples}"
-    if not (sft_dir / "eval.json").is_file():
+    sft_dir = args.sft_dir or args.out / f"sft_test{demo.test_tasks}x{demo.eval_samples}"
+    if not (sft_dir / "eval.json").is_file() and not args.wait_sft:
         started = time.perf_counter()
         evaluate_stage(demo, test_tasks, renderer, sft_adapter, sft_dir, "sft")
         print(f"SFT evaluated in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
-    sft = json.loads((sft_dir / "eval.json").read_text(encoding="utf-8"))
 
     results = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in [int(s) for s in args.seeds.split(",") if s]:
         run = args.out / f"seed_{seed}"
         stage = demo.model_copy(update={"seed": seed})
         cfg = rl_stage_config(stage, sft_adapter, run / "train_rl")
@@ -115,10 +129,11 @@ def main() -> None:
                   f"  step scale {row.get('drift/step_scale', 1):.2f}  probe nll {row.get('drift/probe_nll', 0):.4f}", flush=True)
         summary = evaluate_stage(stage.model_copy(update={"seed": demo.seed}), test_tasks, renderer, trained.final_dir,
                                  run / "rl", "rl")
+        sft = json.loads(wait_for(sft_dir / "eval.json").read_text(encoding="utf-8"))
         comparison = compare_summaries({"sft": sft, "rl": summary}, turns)
         diff = comparison["paired_diff_pass@1"]["rl-sft"]
         result = {
-            "seed": seed, "rl_minutes": rl_minutes, "lr": demo_rl_lr(demo), "steps": cfg.steps,
+            "label": args.label, "estimator": cfg.advantage.estimator, "seed": seed, "rl_minutes": rl_minutes, "lr": demo_rl_lr(demo), "steps": cfg.steps,
             "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size,
             "train_temperature": cfg.rollout.temperature, "eval_temperature": demo.temperature,
             "sft": comparison["stages"]["sft"]["pass@1"], "sft_ci": comparison["stages"]["sft"]["pass@1_ci"],

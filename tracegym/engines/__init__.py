@@ -67,7 +67,7 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
     Args:
         model: ``hf``: a loaded model object (a transformers model, or a peft model wrapping one),
             or a name/folder for :func:`tracegym.models.load` (its tokenizer is loaded with it unless
-            ``tokenizer`` is given). ``openai``: the model id sent to the server. ``vllm``: a local
+            ``tokenizer`` is given; the loaded model goes to the GPU when torch sees one). ``openai``: the model id sent to the server. ``vllm``: a local
             HF folder or ``smollm2-135m``.
         tokenizer: ``hf`` (stop strings and ``Generation.text``) and ``openai`` (re-tokenizing the
             text of a server that returns no token ids); ignored by ``vllm``.
@@ -105,6 +105,10 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
             from tracegym.models import load
 
             model, loaded_tokenizer = load(model)
+            import torch
+
+            if torch.cuda.is_available():  # the recipes train there too: evaluate where they train
+                model = model.to("cuda")
             if tokenizer is None:
                 tokenizer = loaded_tokenizer
         return cls(model, tokenizer, **options)

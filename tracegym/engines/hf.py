@@ -591,7 +591,7 @@ class HFEngine(Engine):
             return
         prefix_len = 0 if prefix is None else len(prefix)
         for i, (b, tokens) in enumerate(rows):
-            where = attention_mask[b].nonzero().flatten()  # [n - P] real positions of row b in the cache
+            where = attention_mask[b].nonzero().flatten().to(cache.layers[0].keys.device)  # [n - P] real positions of row b
             if where.numel() != len(tokens) - prefix_len or len(tokens) == 0:
                 continue  # a stored row must match its key token for token
             entry = _TurnKV(

@@ -105,6 +105,12 @@ class DemoConfig(_Section):
     evaluations score the final answer only. None: the env's default (the answer alone). Example:
     ``{"answer": 1.0, "calls": 0.3}`` (``bench/strong_start.py``)."""
 
+    rl_estimator: str = "grpo"
+    """Advantage estimator of the RL stage (``RLConfig.advantage.estimator``): ``grpo`` (one
+    advantage per episode), or a turn-level one such as ``turn_rloo`` that pays each turn the return
+    from that turn on, so a reward part earned at a turn (the calculator's ``calls``) credits that turn
+    and those before it, not the whole episode (docs/algorithms.md, "Why RL lost the strong start")."""
+
     rl_max_policy_drift: float | None = Field(None, gt=0)
     """Trust region of each RL update (``RLConfig.max_policy_drift``): KL(pi_old || pi_new) per
     sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02; the strong-start
@@ -248,7 +254,7 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
         rollout={"max_turns": max(cfg.eval_turns), "max_tokens_per_turn": cfg.max_tokens_per_turn,
                  "temperature": cfg.temperature, "concurrency": 64},
-        advantage={"estimator": "grpo"},
+        advantage={"estimator": cfg.rl_estimator},
         policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
         guidance={} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
