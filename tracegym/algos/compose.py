@@ -26,7 +26,7 @@ This module knows the batch only through ``PolicyLossBatch`` (the fields it read
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from torch import Tensor
 
@@ -63,7 +63,47 @@ class PolicyLossBatch(Protocol):
     """The reference policy's log-probs (for the KL term), or None."""
 
 
-def _old_logprobs(batch_part: PolicyLossBatch, mask: Tensor) -> Tensor:
+def _check_shapes(mask: Tensor, logprobs: Tensor, entropy: Tensor | None, cfg: PolicyLossConfig) -> None:
+    """Refuse ``logprobs`` / ``entropy`` not shaped like the loss mask, and a missing entropy that
+    ``entropy_coef`` needs."""
+    if logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs has shape {tuple(logprobs.shape)} but the batch's loss mask is {tuple(mask.shape)}")
+    if entropy is not None and entropy.shape != mask.shape:
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)} but the batch's loss mask is {tuple(mask.shape)}")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs the token entropy; pass it from token_logprobs_and_entropy")
+
+
+def _reducer(batch_part: PolicyLossBatch, cfg: PolicyLossConfig) -> Callable[..., Tensor]:
+    """``reduce(per_token, token_weights=None)``: a per-token term aggregated with ``cfg.aggregation``
+    over the batch's full-batch normalizers, sample weights and trajectories."""
+    mask = batch_part.loss_mask
+    normalizers = batch_part.normalizers
+    sample_weights = getattr(batch_part, "weights", None)
+    trajectory_ids: Tensor | None = getattr(batch_part, "trajectory_ids", None)  # [B] or None: a row per sequence
+    # [B] counted with the batch's weights, so only meaningful together with them as sample weights
+    rest_sizes: Tensor | None = getattr(batch_part, "trajectory_rest_sizes", None) if sample_weights is not None else None
+
+    def reduce(per_token: Tensor, token_weights: Tensor | None = None) -> Tensor:
+        return aggregate(
+            per_token, mask, cfg.aggregation, normalizers=normalizers, fixed_length=cfg.fixed_length,
+            token_weights=token_weights, sample_weights=sample_weights, trajectory_ids=trajectory_ids,
+            trajectory_rest_sizes=rest_sizes,
+        )
+
+    return reduce
+
+
+def _old_logprobs(batch_part: PolicyLossBatch, mask: Tensor, cfg: PolicyLossConfig) -> Tensor:
+    """The log-probs the loss's ratio starts from: the trainer's ``old_logprobs``, else the engine's,
+    where the loss allows that and every trained row has them."""
+    if batch_part.old_logprobs is None and cfg.loss_needs_old_logprobs:
+        raise ValueError(
+            f"policy loss {cfg.loss!r} needs batch.old_logprobs (the trainer's log-probs at the start of the "
+            "step, its proximal policy) but they are None: recompute them before the update, e.g. "
+            "batch.with_logprobs(old=batch_logprobs(model, batch, ...)), whenever PolicyLossConfig.needs_old_logprobs "
+            "is true; the engine's log-probs in their place would silently drop the off-policy correction"
+        )
     if batch_part.old_logprobs is not None:
         return batch_part.old_logprobs
     trained_rows = mask.sum(dim=-1) > 0
@@ -73,6 +113,62 @@ def _old_logprobs(batch_part: PolicyLossBatch, mask: Tensor) -> Tensor:
             "turns): recompute old_logprobs with the trainer before the update"
         )
     return batch_part.engine_logprobs
+
+
+def _tis_weights(batch_part: PolicyLossBatch, mask: Tensor, cfg: PolicyLossConfig) -> tuple[Tensor | None, dict[str, float]]:
+    """The truncated importance weights ``w`` [B, T] and their metrics; (None, {}) without ``tis_cap``."""
+    if cfg.tis_cap is None:
+        return None, {}
+    if batch_part.old_logprobs is None:
+        raise ValueError(
+            "tis_cap is set but batch.old_logprobs is None: recompute the old log-probs with the "
+            "trainer before the update (TIS compares them with the engine's)"
+        )
+    return truncated_importance_weights(
+        batch_part.old_logprobs, batch_part.engine_logprobs, mask, cfg.tis_cap, batch_part.has_engine_logprobs
+    )
+
+
+def _loss_inputs(batch_part: PolicyLossBatch, logprobs: Tensor, old: Tensor, entropy: Tensor | None,
+                 cfg: PolicyLossConfig) -> LossInputs:
+    """What the registered loss reads: the batch's tensors, all detached but ``logprobs``."""
+    behaviour: Tensor | None = getattr(batch_part, "engine_logprobs", None)
+    return LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old.detach(),
+        advantages=batch_part.advantages.detach(),
+        mask=batch_part.loss_mask,
+        entropy=None if entropy is None else entropy.detach(),
+        log_ratio_limit=cfg.log_ratio_limit,
+        # the sampler's log-probs [B, T] and their rows [B]; read with getattr so a batch-like
+        # object without them still serves every loss that does not need them
+        behaviour_logprobs=None if behaviour is None else behaviour.detach(),
+        has_behaviour_logprobs=getattr(batch_part, "has_engine_logprobs", None) if behaviour is not None else None,
+        trajectory_ids=getattr(batch_part, "trajectory_ids", None),
+    )
+
+
+def _per_token_policy_loss(inputs: LossInputs, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+    """The registered loss's per-token loss ``l`` [B, T], checked for shape, and its metrics as floats."""
+    per_token, loss_metrics = POLICY_LOSSES.entry(cfg.loss)(inputs, cfg.loss_options)
+    if not isinstance(per_token, Tensor) or per_token.shape != inputs.mask.shape:
+        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
+        raise ValueError(
+            f"policy loss {cfg.loss!r} must return a per-token loss of shape {tuple(inputs.mask.shape)} "
+            f"(unmasked, not aggregated), got {got}"
+        )
+    return per_token, {k: float(v) for k, v in loss_metrics.items()}
+
+
+def _kl_term(batch_part: PolicyLossBatch, logprobs: Tensor, cfg: PolicyLossConfig,
+             reduce: Callable[..., Tensor]) -> tuple[Tensor, dict[str, float]]:
+    """The aggregated KL to the reference policy (before ``kl_coef``) and its metrics ``kl_ref``
+    (the mean per-token KL) and ``kl_loss``."""
+    if batch_part.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 with kl_penalty='loss' needs batch.ref_logprobs (reference model log-probs)")
+    kl = kl_per_token(logprobs, batch_part.ref_logprobs, cfg.kl_estimator)  # [B, T]
+    kl_loss = reduce(kl)
+    return kl_loss, {"kl_ref": float(masked_mean(kl.detach(), batch_part.loss_mask)), "kl_loss": float(kl_loss.detach())}
 
 
 def compute_policy_loss(
@@ -93,83 +189,20 @@ def compute_policy_loss(
     with entropy given ``entropy`` (and ``entropy_loss`` when ``entropy_coef > 0``).
     """
     mask = batch_part.loss_mask
-    if logprobs.shape != mask.shape:
-        raise ValueError(f"logprobs has shape {tuple(logprobs.shape)} but the batch's loss mask is {tuple(mask.shape)}")
-    if entropy is not None and entropy.shape != mask.shape:
-        raise ValueError(f"entropy has shape {tuple(entropy.shape)} but the batch's loss mask is {tuple(mask.shape)}")
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError("entropy_coef > 0 needs the token entropy; pass it from token_logprobs_and_entropy")
-    normalizers = batch_part.normalizers
-    sample_weights = getattr(batch_part, "weights", None)
-    trajectory_ids: Tensor | None = getattr(batch_part, "trajectory_ids", None)  # [B] or None: a row per sequence
-    # [B] counted with the batch's weights, so only meaningful together with them as sample weights
-    rest_sizes: Tensor | None = getattr(batch_part, "trajectory_rest_sizes", None) if sample_weights is not None else None
+    _check_shapes(mask, logprobs, entropy, cfg)
+    reduce = _reducer(batch_part, cfg)
+    old = _old_logprobs(batch_part, mask, cfg)
+    token_weights, tis_metrics = _tis_weights(batch_part, mask, cfg)
 
-    def reduce(per_token: Tensor, token_weights: Tensor | None = None) -> Tensor:
-        return aggregate(
-            per_token, mask, cfg.aggregation, normalizers=normalizers, fixed_length=cfg.fixed_length,
-            token_weights=token_weights, sample_weights=sample_weights, trajectory_ids=trajectory_ids,
-            trajectory_rest_sizes=rest_sizes,
-        )
-
-    if batch_part.old_logprobs is None and cfg.loss_needs_old_logprobs:
-        raise ValueError(
-            f"policy loss {cfg.loss!r} needs batch.old_logprobs (the trainer's log-probs at the start of the "
-            "step, its proximal policy) but they are None: recompute them before the update, e.g. "
-            "batch.with_logprobs(old=batch_logprobs(model, batch, ...)), whenever PolicyLossConfig.needs_old_logprobs "
-            "is true; the engine's log-probs in their place would silently drop the off-policy correction"
-        )
-
-    old = _old_logprobs(batch_part, mask)
-    metrics: dict[str, float] = {}
-
-    token_weights = None
-    if cfg.tis_cap is not None:
-        if batch_part.old_logprobs is None:
-            raise ValueError(
-                "tis_cap is set but batch.old_logprobs is None: recompute the old log-probs with the "
-                "trainer before the update (TIS compares them with the engine's)"
-            )
-        token_weights, tis_metrics = truncated_importance_weights(
-            batch_part.old_logprobs, batch_part.engine_logprobs, mask, cfg.tis_cap, batch_part.has_engine_logprobs
-        )
-
-    behaviour: Tensor | None = getattr(batch_part, "engine_logprobs", None)
-    inputs = LossInputs(
-        logprobs=logprobs,
-        old_logprobs=old.detach(),
-        advantages=batch_part.advantages.detach(),
-        mask=mask,
-        entropy=None if entropy is None else entropy.detach(),
-        log_ratio_limit=cfg.log_ratio_limit,
-        # the sampler's log-probs [B, T] and their rows [B]; read with getattr so a batch-like
-        # object without them still serves every loss that does not need them
-        behaviour_logprobs=None if behaviour is None else behaviour.detach(),
-        has_behaviour_logprobs=getattr(batch_part, "has_engine_logprobs", None) if behaviour is not None else None,
-        trajectory_ids=trajectory_ids,
-    )
-    per_token, loss_metrics = POLICY_LOSSES.entry(cfg.loss)(inputs, cfg.loss_options)
-    if not isinstance(per_token, Tensor) or per_token.shape != mask.shape:
-        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
-        raise ValueError(
-            f"policy loss {cfg.loss!r} must return a per-token loss of shape {tuple(mask.shape)} "
-            f"(unmasked, not aggregated), got {got}"
-        )
-    metrics.update({k: float(v) for k, v in loss_metrics.items()})
-
+    per_token, metrics = _per_token_policy_loss(_loss_inputs(batch_part, logprobs, old, entropy, cfg), cfg)
     loss = reduce(per_token, token_weights)
     metrics["policy_loss"] = float(loss.detach())
-    if token_weights is not None:
-        metrics.update(tis_metrics)
+    metrics.update(tis_metrics)
 
     if cfg.kl_coef > 0 and cfg.kl_penalty == "loss":
-        if batch_part.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 with kl_penalty='loss' needs batch.ref_logprobs (reference model log-probs)")
-        kl = kl_per_token(logprobs, batch_part.ref_logprobs, cfg.kl_estimator)  # [B, T]
-        kl_loss = reduce(kl)
+        kl_loss, kl_metrics = _kl_term(batch_part, logprobs, cfg, reduce)
         loss = loss + cfg.kl_coef * kl_loss
-        metrics["kl_ref"] = float(masked_mean(kl.detach(), mask))
-        metrics["kl_loss"] = float(kl_loss.detach())
+        metrics.update(kl_metrics)
 
     if entropy is not None:
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))

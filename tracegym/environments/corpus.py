@@ -203,66 +203,91 @@ def _reserved_words() -> set[str]:
     return words
 
 
-def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
-    """Generate ``size`` linked entity pages from ``seed`` (same inputs, same corpus, byte for byte)."""
-    if not isinstance(size, int) or size < MIN_CORPUS_SIZE:
-        raise ValueError(f"corpus_size must be an int >= {MIN_CORPUS_SIZE}, got {size!r}")
-    rng = random.Random(f"tracegym-corpus-v{CORPUS_VERSION}-{seed}")
-    names = _NameMaker(rng, _reserved_words())
-    counts = _type_counts(size)
-
-    # Doc ids are a shuffled numbering, so an id says nothing about the entity's type.
+def _doc_ids(rng: random.Random, size: int) -> Iterator[str]:
+    """Doc ids in the order entities are created: a shuffled numbering, so an id says nothing about
+    the entity's type."""
     numbers = list(range(size))
     rng.shuffle(numbers)
     width = max(6, len(str(size)))
-    ids = iter(f"d{n:0{width}d}" for n in numbers)
+    return iter(f"d{n:0{width}d}" for n in numbers)
 
+
+def _name_and_mention(etype: str, names: _NameMaker, rng: random.Random) -> tuple[str, str]:
+    """An invented name for a new entity of ``etype`` and how a sentence mentions it."""
+    w = names.word()
+    if etype == "person":
+        name = f"{w} {names.word()}"
+        return name, name
+    if etype == "mountain":
+        return f"Mount {w}", f"Mount {w}"
+    if etype == "lake":
+        return f"Lake {w}", f"Lake {w}"
+    if etype == "river":
+        return f"{w} River", f"the {w} River"
+    if etype == "company":
+        name = f"{w} {rng.choice(_COMPANY_SUFFIXES)}"
+        return name, name
+    if etype == "university":
+        name = f"{w} {rng.choice(_UNIVERSITY_SUFFIXES)}"
+        return name, name
+    if etype == "invention":
+        name = f"{w} {rng.choice(_INVENTION_KINDS).capitalize()}"
+        return name, f"the {name}"
+    return w, w  # country, city
+
+
+def _named_entities(rng: random.Random, size: int) -> dict[str, list[Entity]]:
+    """``size`` named, not yet linked entities, by type (in ``TYPE_SHARES`` order)."""
+    names = _NameMaker(rng, _reserved_words())
+    counts = _type_counts(size)
+    ids = _doc_ids(rng, size)
     by_type: dict[str, list[Entity]] = {t: [] for t in TYPE_SHARES}
     for etype, count in counts.items():
         for _ in range(count):
-            w = names.word()
-            if etype == "person":
-                name = f"{w} {names.word()}"
-                mention = name
-            elif etype == "mountain":
-                name = mention = f"Mount {w}"
-            elif etype == "lake":
-                name = mention = f"Lake {w}"
-            elif etype == "river":
-                name = f"{w} River"
-                mention = f"the {name}"
-            elif etype == "company":
-                name = mention = f"{w} {rng.choice(_COMPANY_SUFFIXES)}"
-            elif etype == "university":
-                name = mention = f"{w} {rng.choice(_UNIVERSITY_SUFFIXES)}"
-            elif etype == "invention":
-                name = f"{w} {rng.choice(_INVENTION_KINDS).capitalize()}"
-                mention = f"the {name}"
-            else:  # country, city
-                name = mention = w
+            name, mention = _name_and_mention(etype, names, rng)
             by_type[etype].append(Entity(next(ids), etype, name, mention))
+    return by_type
 
-    countries, cities = by_type["country"], by_type["city"]
-    # Every country gets at least one city (its capital); the rest are spread at random.
-    city_country: dict[str, Entity] = {}
-    for i, city in enumerate(cities):
-        city_country[city.doc_id] = countries[i] if i < len(countries) else rng.choice(countries)
-    cities_of: dict[str, list[Entity]] = {c.doc_id: [] for c in countries}
-    for city in cities:
-        cities_of[city_country[city.doc_id].doc_id].append(city)
 
-    def pick(etype: str, avoid: Entity | None = None) -> Entity:
-        pool = by_type[etype]
+def _country_of_each_city(rng: random.Random, countries: list[Entity], cities: list[Entity]) -> dict[str, Entity]:
+    """City doc id -> its country. Every country gets at least one city (the first, which becomes
+    its capital); the other cities are spread at random."""
+    return {city.doc_id: countries[i] if i < len(countries) else rng.choice(countries) for i, city in enumerate(cities)}
+
+
+class _PageWriter:
+    """Links each entity to its relation targets and writes its page, one fact per line.
+
+    Every random draw comes from the corpus's ``rng``: the pages must be written in ``TYPE_SHARES``
+    order, entity by entity, and each page's draws happen in the order its lines read.
+    """
+
+    def __init__(self, rng: random.Random, by_type: dict[str, list[Entity]], city_country: dict[str, Entity]) -> None:
+        self.rng = rng
+        self.by_type = by_type
+        self.city_country = city_country
+        self.cities_of: dict[str, list[Entity]] = {c.doc_id: [] for c in by_type["country"]}
+        for city in by_type["city"]:
+            self.cities_of[city_country[city.doc_id].doc_id].append(city)
+
+    def write(self, entity: Entity) -> None:
+        """Link ``entity`` and write its page (with the method named after its type, ``_<type>``)."""
+        getattr(self, f"_{entity.type}")(entity)
+
+    def pick(self, etype: str, avoid: Entity | None = None) -> Entity:
+        """A random entity of ``etype``, other than ``avoid`` unless it is the only one."""
+        pool = self.by_type[etype]
         while True:
-            e = rng.choice(pool)
+            e = self.rng.choice(pool)
             if e is not avoid or len(pool) == 1:
                 return e
 
-    def year(lo: int = 1650, hi: int = 1990) -> int:
-        return rng.randint(lo, hi)
+    def year(self, lo: int = 1650, hi: int = 1990) -> int:
+        return self.rng.randint(lo, hi)
 
-    for c in countries:
-        capital = cities_of[c.doc_id][0]
+    def _country(self, c: Entity) -> None:
+        rng, year = self.rng, self.year
+        capital = self.cities_of[c.doc_id][0]
         c.relations["capital"] = capital.doc_id
         c.lines = [
             f"{c.name} is a country with a population of about {rng.randint(1, 90)}.{rng.randint(0, 9)} million.",
@@ -270,23 +295,29 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             f"{c.name} became independent in {year(1700, 1980)}.",
             f"Its largest port handles about {rng.randint(2, 80)} million tonnes of cargo a year.",
         ]
-    for m in by_type["mountain"]:
-        country = rng.choice(countries)
+
+    def _mountain(self, m: Entity) -> None:
+        rng, year = self.rng, self.year
+        country = rng.choice(self.by_type["country"])
         m.relations["country"] = country.doc_id
         m.lines = [
             f"{m.name} is a mountain {rng.randint(900, 7900)} metres high.",
             rng.choice((f"It stands in {country.mention}.", f"{m.name} is located in {country.mention}.")),
             f"It was first climbed in {year(1780, 1970)}.",
         ]
-    for lake in by_type["lake"]:
-        country = rng.choice(countries)
+
+    def _lake(self, lake: Entity) -> None:
+        rng = self.rng
+        country = rng.choice(self.by_type["country"])
         lake.relations["country"] = country.doc_id
         lake.lines = [
             f"{lake.name} is a freshwater lake covering {rng.randint(12, 4000)} square kilometres.",
             rng.choice((f"It lies in {country.mention}.", f"{lake.name} is located in {country.mention}.")),
             f"Its greatest depth is {rng.randint(8, 600)} metres.",
         ]
-    for river in by_type["river"]:
+
+    def _river(self, river: Entity) -> None:
+        rng, pick = self.rng, self.pick
         source, mouth = pick("mountain"), pick("lake")
         river.relations["source"] = source.doc_id
         river.relations["mouth"] = mouth.doc_id
@@ -296,8 +327,10 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             rng.choice((f"It flows into {mouth.mention}.", f"Its mouth is at {mouth.mention}.")),
             f"It carries on average {rng.randint(20, 9000)} cubic metres of water per second.",
         ]
-    for city in cities:
-        country, river = city_country[city.doc_id], pick("river")
+
+    def _city(self, city: Entity) -> None:
+        rng, year = self.rng, self.year
+        country, river = self.city_country[city.doc_id], self.pick("river")
         city.relations["country"] = country.doc_id
         city.relations["river"] = river.doc_id
         city.lines = [
@@ -307,7 +340,9 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
                         f"The city lies on {river.mention}.")),
             f"{city.name} was granted a town charter in {year(1100, 1900)}.",
         ]
-    for uni in by_type["university"]:
+
+    def _university(self, uni: Entity) -> None:
+        rng, pick, year = self.rng, self.pick, self.year
         city, founder = pick("city"), pick("person")
         uni.relations["city"] = city.doc_id
         uni.relations["founder"] = founder.doc_id
@@ -317,8 +352,10 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             rng.choice((f"It was founded by {founder.mention} in {year()}.", f"{founder.mention} founded it in {year()}.")),
             f"Its library holds {rng.randint(1, 90) * 10000} volumes.",
         ]
-    for person in by_type["person"]:
-        born, moved = pick("city"), None
+
+    def _person(self, person: Entity) -> None:
+        rng, pick, year = self.rng, self.pick, self.year
+        born = pick("city")
         moved = pick("city", avoid=born)
         uni, employer = pick("university"), pick("company")
         person.relations["birthplace"] = born.doc_id
@@ -332,7 +369,9 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             rng.choice((f"{person.name} later moved to {moved.mention}.", f"In {y + rng.randint(20, 35)} {person.name} settled in {moved.mention}.")),
             rng.choice((f"{person.name} worked for {employer.mention}.", f"{person.name} was employed by {employer.mention}.")),
         ]
-    for company in by_type["company"]:
+
+    def _company(self, company: Entity) -> None:
+        rng, pick, year = self.rng, self.pick, self.year
         founder, hq = pick("person"), pick("city")
         branch = pick("city", avoid=hq)
         company.relations["founder"] = founder.doc_id
@@ -344,7 +383,9 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             f"In {year(1850, 2000)} it opened a branch office in {branch.mention}.",
             f"It employs about {rng.randint(1, 400) * 50} people.",
         ]
-    for inv in by_type["invention"]:
+
+    def _invention(self, inv: Entity) -> None:
+        rng, pick, year = self.rng, self.pick, self.year
         inventor, maker = pick("person"), pick("company")
         inv.relations["inventor"] = inventor.doc_id
         inv.relations["manufacturer"] = maker.doc_id
@@ -356,14 +397,32 @@ def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
             f"About {rng.randint(1, 900) * 100} units were built in the first decade.",
         ]
 
-    entities = [e for etype in TYPE_SHARES for e in by_type[etype]]
-    entities.sort(key=lambda e: e.doc_id)
+
+def _fingerprint(entities: list[Entity]) -> str:
+    """sha256 over every page (doc id and text), in doc id order."""
     digest = hashlib.sha256()
     for e in entities:
         digest.update(e.doc_id.encode())
         digest.update(e.text.encode())
+    return digest.hexdigest()
+
+
+def generate_corpus(size: int = 2000, seed: int = 0) -> Corpus:
+    """Generate ``size`` linked entity pages from ``seed`` (same inputs, same corpus, byte for byte)."""
+    if not isinstance(size, int) or size < MIN_CORPUS_SIZE:
+        raise ValueError(f"corpus_size must be an int >= {MIN_CORPUS_SIZE}, got {size!r}")
+    # One stream for the whole corpus: the steps below must draw from it in this order.
+    rng = random.Random(f"tracegym-corpus-v{CORPUS_VERSION}-{seed}")
+    by_type = _named_entities(rng, size)
+    city_country = _country_of_each_city(rng, by_type["country"], by_type["city"])
+    pages = _PageWriter(rng, by_type, city_country)
+    for etype in TYPE_SHARES:
+        for entity in by_type[etype]:
+            pages.write(entity)
+
+    entities = sorted((e for etype in TYPE_SHARES for e in by_type[etype]), key=lambda e: e.doc_id)
     return Corpus(seed=seed, size=size, entities=entities, by_id={e.doc_id: e for e in entities},
-                  fingerprint=digest.hexdigest())
+                  fingerprint=_fingerprint(entities))
 
 
 # --- tokenisation shared by the index and the queries --------------------------------------------

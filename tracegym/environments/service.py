@@ -87,117 +87,134 @@ def _iso(day: dt.date) -> str:
     return day.isoformat()
 
 
-def generate_scenario(split: str, seed: int, index: int, kind: str) -> dict[str, Any]:
-    """One task's world: ``db`` (users, orders, products), the customer's hidden ``goal`` and
-    ``today``. Deterministic in (split, seed, index, kind)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown service task kind {kind!r}; known: {', '.join(KINDS)}")
-    rng = random.Random(f"service-v{GENERATOR_VERSION}-{split}-{seed}-{index}-{kind}")
-    today = dt.date(2024, 1, 1) + dt.timedelta(days=rng.randrange(366))
-    used_ids: set[str] = set()
+class _ScenarioDb:
+    """One scenario's database while it is generated: products (with ``variants``, the product ids
+    of each type), users and orders, every random draw from the scenario's ``rng``."""
 
-    def new_id(prefix: str, digits: int) -> str:
+    def __init__(self, rng: random.Random, today: dt.date) -> None:
+        self.rng = rng
+        self.today = today
+        self.used_ids: set[str] = set()
+        self.products: dict[str, dict[str, Any]] = {}
+        self.variants: dict[str, list[str]] = {}
+        self.users: dict[str, dict[str, Any]] = {}
+        self.orders: dict[str, dict[str, Any]] = {}
+
+    def new_id(self, prefix: str, digits: int) -> str:
+        """A random id no other record of the scenario has."""
         while True:
-            candidate = prefix + "".join(rng.choice("0123456789") for _ in range(digits))
-            if candidate not in used_ids:
-                used_ids.add(candidate)
+            candidate = prefix + "".join(self.rng.choice("0123456789") for _ in range(digits))
+            if candidate not in self.used_ids:
+                self.used_ids.add(candidate)
                 return candidate
 
-    # Catalogue: 5 product types, 3 colours each, every size; one product per variant.
-    products: dict[str, dict[str, Any]] = {}
-    variants: dict[str, list[str]] = {}
-    for ptype in rng.sample(sorted(_PRODUCT_TYPES), 5):
-        price = round(rng.randint(12, 180) + 0.99, 2)
-        variants[ptype] = []
-        for color in rng.sample(_COLORS, 3):
-            for size in _PRODUCT_TYPES[ptype]:
-                pid = new_id("P", 5)
-                products[pid] = {"product_id": pid, "type": ptype, "color": color, "size": size,
-                                 "price": price, "stock": rng.choice((0, 1, 2, 3, 5, 8))}
-                variants[ptype].append(pid)
+    def add_catalogue(self) -> None:
+        """5 product types, 3 colours each, every size; one product per variant."""
+        rng = self.rng
+        for ptype in rng.sample(sorted(_PRODUCT_TYPES), 5):
+            price = round(rng.randint(12, 180) + 0.99, 2)
+            self.variants[ptype] = []
+            for color in rng.sample(_COLORS, 3):
+                for size in _PRODUCT_TYPES[ptype]:
+                    pid = self.new_id("P", 5)
+                    self.products[pid] = {"product_id": pid, "type": ptype, "color": color, "size": size,
+                                          "price": price, "stock": rng.choice((0, 1, 2, 3, 5, 8))}
+                    self.variants[ptype].append(pid)
 
-    # Customers: the target, a namesake with another zip code (name alone does not identify), others.
-    first_names = _TEST_FIRST if split == "test" else _TRAIN_FIRST
-    first, last = rng.choice(first_names), rng.choice(_LAST)
-    users: dict[str, dict[str, Any]] = {}
-
-    def add_user(first_name: str, last_name: str) -> str:
-        uid = f"{first_name.lower()}_{last_name.lower()}_{new_id('', 4)}"
-        zip_code = new_id("", 5)
-        users[uid] = {"user_id": uid, "name": f"{first_name} {last_name}", "zip_code": zip_code, "orders": []}
+    def add_user(self, first_name: str, last_name: str) -> str:
+        uid = f"{first_name.lower()}_{last_name.lower()}_{self.new_id('', 4)}"
+        zip_code = self.new_id("", 5)
+        self.users[uid] = {"user_id": uid, "name": f"{first_name} {last_name}", "zip_code": zip_code, "orders": []}
         return uid
 
-    target_user = add_user(first, last)
-    add_user(first, last)
-    for _ in range(3):
-        add_user(rng.choice(first_names), rng.choice(_LAST))
+    def add_customers(self, split: str) -> str:
+        """The target customer, a namesake with another zip code (the name alone does not identify
+        the customer) and three others; returns the target's user id."""
+        rng = self.rng
+        first_names = _TEST_FIRST if split == "test" else _TRAIN_FIRST
+        first, last = rng.choice(first_names), rng.choice(_LAST)
+        target_user = self.add_user(first, last)
+        self.add_user(first, last)
+        for _ in range(3):
+            self.add_user(rng.choice(first_names), rng.choice(_LAST))
+        return target_user
 
-    orders: dict[str, dict[str, Any]] = {}
-
-    def add_order(uid: str, status: str, items: list[str], delivered_days_ago: int | None) -> str:
-        oid = new_id("#W", 7)
-        placed_ago = (delivered_days_ago or 0) + rng.randint(2, 9)
-        orders[oid] = {
+    def add_order(self, uid: str, status: str, items: list[str], delivered_days_ago: int | None) -> str:
+        oid = self.new_id("#W", 7)
+        placed_ago = (delivered_days_ago or 0) + self.rng.randint(2, 9)
+        today = self.today
+        self.orders[oid] = {
             "order_id": oid,
             "user_id": uid,
             "status": status,
             "placed_on": _iso(today - dt.timedelta(days=placed_ago)),
             "delivered_on": _iso(today - dt.timedelta(days=delivered_days_ago)) if delivered_days_ago is not None else None,
-            "items": [{"item_id": new_id("I", 6), "product_id": pid} for pid in items],
+            "items": [{"item_id": self.new_id("I", 6), "product_id": pid} for pid in items],
             "reason": None,
         }
-        users[uid]["orders"].append(oid)
+        self.users[uid]["orders"].append(oid)
         return oid
 
-    def random_status() -> tuple[str, int | None]:
-        status = rng.choice(("pending", "processed", "delivered", "delivered", "cancelled"))
-        return status, (rng.randint(1, 90) if status == "delivered" else None)
+    def random_status(self) -> tuple[str, int | None]:
+        """A random order status and, for a delivered order, how many days ago it was delivered."""
+        status = self.rng.choice(("pending", "processed", "delivered", "delivered", "cancelled"))
+        return status, (self.rng.randint(1, 90) if status == "delivered" else None)
 
-    # The order the customer is calling about.
-    target_type = rng.choice(sorted(variants))
-    target_pid = rng.choice(variants[target_type])
-    item = products[target_pid]
+    def random_items(self, types: list[str], low: int, high: int) -> list[str]:
+        """One random product of each of ``low`` to ``high`` of ``types``."""
+        rng = self.rng
+        return [rng.choice(self.variants[t]) for t in rng.sample(types, rng.randint(low, high))]
+
+    def add_customer_orders(self, uid: str, target_items: list[str], status: str, ago: int | None,
+                            other_types: list[str]) -> str:
+        """The customer's orders: the target order among 1-3 others (of ``other_types`` products only)
+        at a random position; returns the target order's id."""
+        n_other = self.rng.randint(1, 3)
+        target_position = self.rng.randint(0, n_other)
+        target_order = ""
+        for k in range(n_other + 1):
+            if k == target_position:
+                target_order = self.add_order(uid, status, target_items, ago)
+            else:
+                st, days = self.random_status()
+                self.add_order(uid, st, self.random_items(other_types, 1, 2), days)
+        return target_order
+
+    def add_other_orders(self, target_user: str) -> None:
+        """One or two random orders for every other user."""
+        for uid in list(self.users):
+            if uid != target_user:
+                for _ in range(self.rng.randint(1, 2)):
+                    st, days = self.random_status()
+                    self.add_order(uid, st, self.random_items(sorted(self.variants), 1, 2), days)
+
+
+def _target_status(rng: random.Random, kind: str) -> tuple[str, int | None]:
+    """The status of the order the customer calls about (and days since delivery): one the policy
+    allows the request on, or, for a ``*_refused`` kind, one it forbids it on."""
     if kind == "cancel":
-        status, ago = "pending", None
-    elif kind == "cancel_refused":
+        return "pending", None
+    if kind == "cancel_refused":
         status = rng.choice(("processed", "delivered"))
-        ago = rng.randint(1, 60) if status == "delivered" else None
-    elif kind == "refund":
-        status, ago = "delivered", rng.randint(1, REFUND_WINDOW_DAYS)
-    elif kind == "refund_refused":
+        return status, rng.randint(1, 60) if status == "delivered" else None
+    if kind == "refund":
+        return "delivered", rng.randint(1, REFUND_WINDOW_DAYS)
+    if kind == "refund_refused":
         status = rng.choice(("processed", "delivered", "delivered"))
-        ago = rng.randint(REFUND_WINDOW_DAYS + 1, 90) if status == "delivered" else None
-    else:  # exchanges
-        status, ago = "delivered", rng.randint(1, 60)
-    other_types = [t for t in sorted(variants) if t != target_type]
-    extra_items = [rng.choice(variants[t]) for t in rng.sample(other_types, rng.randint(0, 2))]
-    target_items = [target_pid, *extra_items]
-    rng.shuffle(target_items)
+        return status, rng.randint(REFUND_WINDOW_DAYS + 1, 90) if status == "delivered" else None
+    return "delivered", rng.randint(1, 60)  # exchanges
 
-    # The customer's other orders never contain the target's product type, so "the order with the
-    # blue t-shirt" picks out exactly one order.
-    n_other = rng.randint(1, 3)
-    target_position = rng.randint(0, n_other)
-    target_order = ""
-    for k in range(n_other + 1):
-        if k == target_position:
-            target_order = add_order(target_user, status, target_items, ago)
-        else:
-            st, days = random_status()
-            picks = [rng.choice(variants[t]) for t in rng.sample(other_types, rng.randint(1, 2))]
-            add_order(target_user, st, picks, days)
-    for uid in list(users):
-        if uid != target_user:
-            for _ in range(rng.randint(1, 2)):
-                st, days = random_status()
-                picks = [rng.choice(variants[t]) for t in rng.sample(sorted(variants), rng.randint(1, 2))]
-                add_order(uid, st, picks, days)
 
+def _customer_goal(db: _ScenarioDb, kind: str, target_user: str, target_order: str, target_pid: str) -> dict[str, Any]:
+    """What the customer wants and knows: the order and item, the reason, for an exchange the wanted
+    product (out of stock in ``exchange_refused``), and their name and zip code."""
+    rng, item = db.rng, db.products[target_pid]
+    target_type = item["type"]
     goal: dict[str, Any] = {
         "kind": kind,
         "user_id": target_user,
         "order_id": target_order,
-        "item_id": next(i["item_id"] for i in orders[target_order]["items"] if i["product_id"] == target_pid),
+        "item_id": next(i["item_id"] for i in db.orders[target_order]["items"] if i["product_id"] == target_pid),
         "product_type": target_type,
         "item_description": f"{item['color']} {target_type}",
         "knows_order_id": rng.random() < 0.5,
@@ -207,16 +224,44 @@ def generate_scenario(split: str, seed: int, index: int, kind: str) -> dict[str,
     elif kind.startswith("refund"):
         goal["reason"] = rng.choice(_REFUND_REASONS)
     else:
-        choices = [p for p in variants[target_type]
-                   if products[p]["size"] == item["size"] and products[p]["color"] != item["color"]]
+        choices = [p for p in db.variants[target_type]
+                   if db.products[p]["size"] == item["size"] and db.products[p]["color"] != item["color"]]
         wanted = rng.choice(choices)
-        products[wanted]["stock"] = rng.randint(1, 5) if kind == "exchange" else 0
+        db.products[wanted]["stock"] = rng.randint(1, 5) if kind == "exchange" else 0
         goal["new_product_id"] = wanted
-        goal["new_color"] = products[wanted]["color"]
+        goal["new_color"] = db.products[wanted]["color"]
         goal["size"] = item["size"]
-    user = users[target_user]
+    user = db.users[target_user]
     goal["name"], goal["zip_code"] = user["name"], user["zip_code"]
-    return {"db": {"users": users, "orders": orders, "products": products}, "goal": goal, "today": _iso(today)}
+    return goal
+
+
+def generate_scenario(split: str, seed: int, index: int, kind: str) -> dict[str, Any]:
+    """One task's world: ``db`` (users, orders, products), the customer's hidden ``goal`` and
+    ``today``. Deterministic in (split, seed, index, kind)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown service task kind {kind!r}; known: {', '.join(KINDS)}")
+    # One stream for the whole scenario: the steps below must draw from it in this order.
+    rng = random.Random(f"service-v{GENERATOR_VERSION}-{split}-{seed}-{index}-{kind}")
+    today = dt.date(2024, 1, 1) + dt.timedelta(days=rng.randrange(366))
+    db = _ScenarioDb(rng, today)
+    db.add_catalogue()
+    target_user = db.add_customers(split)
+
+    # The order the customer is calling about. No other order of the customer, and no other item of
+    # this one, has the target's product type, so "the order with the blue t-shirt" picks out
+    # exactly one order and item.
+    target_type = rng.choice(sorted(db.variants))
+    target_pid = rng.choice(db.variants[target_type])
+    status, ago = _target_status(rng, kind)
+    other_types = [t for t in sorted(db.variants) if t != target_type]
+    target_items = [target_pid, *db.random_items(other_types, 0, 2)]
+    rng.shuffle(target_items)
+    target_order = db.add_customer_orders(target_user, target_items, status, ago, other_types)
+    db.add_other_orders(target_user)
+
+    goal = _customer_goal(db, kind, target_user, target_order, target_pid)
+    return {"db": {"users": db.users, "orders": db.orders, "products": db.products}, "goal": goal, "today": _iso(today)}
 
 
 def goal_database(db: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]:

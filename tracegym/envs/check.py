@@ -1,6 +1,7 @@
 """``check_env``: the invariants every environment must satisfy (used by the tests of each env).
 
-Checks, each reported by name:
+Checks, each reported by name (each is a ``check_<name>`` function here; ``acheck_env`` runs them in
+this order and gathers their findings in a :class:`CheckReport`):
 
 - ``determinism``: the same seed gives the same tasks, the same reset messages and the same
   ``state_key()`` after reset, on two separate instances; a different seed gives different tasks;
@@ -30,7 +31,7 @@ import asyncio
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Awaitable, Callable, Union
 
 from tracegym.envs.base import Env, Task
 from tracegym.envs.episode import run_episode
@@ -328,6 +329,237 @@ def _step_problems(step: StepResult, reward_range: tuple[float, float], where: s
 # --- the checks -----------------------------------------------------------------------------------
 
 
+@dataclass
+class _CheckContext:
+    """What the checks share: the env factory, two instances made up front (``first`` and
+    ``second``), both splits' tasks, the episode step limit and the run's settings. A check that
+    measures a figure or skips itself writes that to ``report``."""
+
+    factory: Callable[[], Env]
+    first: Env
+    second: Env
+    train: list[Task]
+    test: list[Task]
+    n_tasks: int
+    seed: int
+    limit: int  # steps an expert episode may take: the env's max_turns + 1
+    min_expert_success: float
+    timeout_s: float
+    report: CheckReport
+
+
+async def _resets_and_state_keys(env: Env, tasks: list[Task]) -> tuple[list[list[Message]], list[Any]]:
+    """The messages of ``env.reset(task)`` and the ``state_key()`` after it, task by task."""
+    resets, keys = [], []
+    for t in tasks:
+        resets.append(await env.reset(t))
+        keys.append(_state_key(env))
+    return resets, keys
+
+
+async def check_determinism(ctx: _CheckContext) -> list[str]:
+    """The same seed gives the same tasks, reset messages and ``state_key()`` on two instances; the
+    next seed gives other tasks; every task carries the split it was asked for."""
+    train, test, n_tasks, seed = ctx.train, ctx.test, ctx.n_tasks, ctx.seed
+    problems = []
+    if len(train) != n_tasks or len(test) != n_tasks:
+        problems.append(f"asked for {n_tasks} tasks, got {len(train)} train and {len(test)} test")
+    if len({t.id for t in train}) != len(train):
+        problems.append("duplicate task ids within the train split")
+    if [t.model_dump() for t in ctx.second.tasks("train", n_tasks, seed)] != [t.model_dump() for t in train]:
+        problems.append(f"tasks('train', {n_tasks}, seed={seed}) differ between two instances")
+    if [t.id for t in ctx.first.tasks("train", n_tasks, seed + 1)] == [t.id for t in train]:
+        problems.append(f"seeds {seed} and {seed + 1} give the same train tasks")
+    wrong = [t.id for t in train if t.split != "train"] + [t.id for t in test if t.split != "test"]
+    if wrong:
+        problems.append(f"tasks carry the wrong split: {wrong[:3]}")
+    resets_first, keys_first = await _resets_and_state_keys(ctx.first, test[:5])
+    resets_second, keys_second = await _resets_and_state_keys(ctx.second, test[:5])
+    if resets_first != resets_second:
+        problems.append("reset(task) gives different messages on two instances")
+    wrong_keys = [k for k in keys_first if k is not None and not isinstance(k, str)]
+    if wrong_keys:
+        problems.append(f"state_key() must return str or None, got {type(wrong_keys[0]).__name__}")
+    elif keys_first != keys_second:
+        problems.append("state_key() after reset(task) differs between two instances")
+    if any(not messages or messages[-1].role not in ("user", "system") for messages in resets_first):
+        problems.append("reset must return the initial system/user messages")
+    return problems
+
+
+async def check_disjoint_splits(ctx: _CheckContext) -> list[str]:
+    """Train and test share no task id, no task content and no initial prompt."""
+    train, test = ctx.train, ctx.test
+    problems = []
+    shared_ids = {t.id for t in train} & {t.id for t in test}
+    if shared_ids:
+        problems.append(f"train and test share task ids: {sorted(shared_ids)[:3]}")
+    shared_data = {_task_content(t) for t in train} & {_task_content(t) for t in test}
+    if shared_data:
+        problems.append(f"train and test share {len(shared_data)} task contents")
+    train_prompts = {_prompt_text(await ctx.first.reset(t)) for t in train}
+    test_prompts = {_prompt_text(await ctx.first.reset(t)) for t in test}
+    if train_prompts & test_prompts:
+        problems.append(f"train and test share {len(train_prompts & test_prompts)} initial prompts")
+    return problems
+
+
+async def check_tool_schemas(ctx: _CheckContext) -> list[str]:
+    """The tool schemas are well-formed OpenAI function schemas with unique names (``schema_problems``)."""
+    return schema_problems(ctx.first.tool_schemas())
+
+
+def _bad_call_probes(schemas: Any) -> list[tuple[str, Message, tuple[str, ...]]]:
+    """(label, assistant message, parse errors) of each bad call: an unknown tool, a malformed call
+    and, when the env has a tool, an argument its first tool does not take."""
+    tool_names = [s["function"]["name"] for s in schemas if isinstance(s, dict) and isinstance(s.get("function"), dict)]
+    probes: list[tuple[str, Message, tuple[str, ...]]] = [
+        ("unknown tool", Message(role="assistant", tool_calls=(ToolCall(name=_PROBE_TOOL, arguments={}, id="probe"),)), ()),
+        ("malformed call", Message(role="assistant", content="<tool_call>{not json"), ("invalid JSON in tool call",)),
+    ]
+    if tool_names:
+        bad_args = {"__no_such_argument__": 1}
+        probes.append(("bad arguments", Message(role="assistant", tool_calls=(ToolCall(name=tool_names[0], arguments=bad_args, id="probe"),)), ()))
+    return probes
+
+
+async def check_bad_calls(ctx: _CheckContext) -> list[str]:
+    """Each bad call (see ``_bad_call_probes``), on a fresh instance, gives an ``Error:`` tool
+    message, no exception, and the episode goes on."""
+    problems: list[str] = []
+    for label, message, parse_errors in _bad_call_probes(ctx.first.tool_schemas()):
+        env = ctx.factory()
+        await env.reset(ctx.test[0])
+        try:
+            step = await env.step(message, parse_errors)
+        except Exception as exc:
+            problems.append(f"{label}: step raised {type(exc).__name__}: {exc}")
+            continue
+        if not any(_is_error_tool_message(m) for m in step.messages):
+            problems.append(f"{label}: no 'Error: ...' tool message in {[m.content[:60] for m in step.messages]}")
+        if step.terminated:
+            problems.append(f"{label}: the episode was terminated by a bad call")
+        problems += _step_problems(step, env.reward_range, label)
+    return problems
+
+
+async def check_isolation(ctx: _CheckContext) -> list[str]:
+    """Two instances on different tasks, stepped in turn by the expert, produce exactly what each
+    produces alone."""
+    problems = []
+    for a, b in [(ctx.test[0], ctx.test[1]), (ctx.train[0], ctx.test[-1])]:
+        alone_a = await _expert_trace(ctx.factory(), a, ctx.limit)
+        alone_b = await _expert_trace(ctx.factory(), b, ctx.limit)
+        mixed_a, mixed_b = await _interleaved_traces(ctx.factory(), a, ctx.factory(), b, ctx.limit)
+        if mixed_a != alone_a or mixed_b != alone_b:
+            problems.append(f"tasks {a.id} and {b.id}: interleaved episodes differ from the same episodes run alone")
+    return problems
+
+
+async def check_expert(ctx: _CheckContext) -> list[str]:
+    """The expert solves at least ``min_expert_success`` of the test tasks (the rate goes to
+    ``report.expert_success_rate``), its episodes end terminated, and every step is valid
+    (``_step_problems``)."""
+    problems: list[str] = []
+    solved = 0
+    for task in ctx.test:
+        result = await _checked_expert_episode(ctx.factory(), task, ctx.limit, ctx.timeout_s, problems)
+        solved += int(result.success)
+        if result.error:
+            problems.append(f"task {task.id}: expert episode failed: {result.error}")
+        elif result.end_reason != "terminated":
+            problems.append(f"task {task.id}: expert episode ended with {result.end_reason}, not terminated")
+    ctx.report.expert_success_rate = solved / len(ctx.test)
+    if ctx.report.expert_success_rate < ctx.min_expert_success:
+        problems.append(f"expert solved {solved}/{len(ctx.test)} test tasks, below {ctx.min_expert_success:.0%}")
+    return problems
+
+
+async def check_truncation(ctx: _CheckContext) -> list[str]:
+    """An agent that never finishes (it keeps calling an unknown tool) is cut with ``truncated``
+    (not ``terminated``) at the env's ``max_turns``, every idle step valid on the way."""
+    problems: list[str] = []
+    env = ctx.factory()
+    await env.reset(ctx.test[0])
+    max_turns = getattr(env, "max_turns", None)
+    cap = int(max_turns) if isinstance(max_turns, int) else 1000
+    idle = Message(role="assistant", tool_calls=(ToolCall(name=_PROBE_TOOL, arguments={}, id="idle"),))
+    ended = None
+    for turn in range(1, cap + 1):
+        step = await env.step(idle)
+        problems += _step_problems(step, env.reward_range, f"idle turn {turn}")
+        if step.terminated or step.truncated:
+            ended = (turn, step)
+            break
+    if ended is None:
+        problems.append(f"an agent that never finishes was not truncated within {cap} turns")
+        return problems
+    turn, step = ended
+    if not step.truncated or step.terminated:
+        problems.append(
+            f"idle episode ended at turn {turn} with terminated={step.terminated}, truncated={step.truncated}; expected truncated"
+        )
+    if isinstance(max_turns, int) and turn != max_turns:
+        problems.append(f"idle episode was truncated at turn {turn}, expected max_turns={max_turns}")
+    return problems
+
+
+async def check_branching(ctx: _CheckContext) -> list[str] | None:
+    """snapshot/restore round trips on three test tasks, snapshotted in the middle, at the start and
+    one step before the end (``_branching_problems``); None (skipped, the reason in
+    ``report.skipped``) for an env that cannot branch."""
+    supported, why = _can_branch(ctx.factory())
+    if not supported:
+        ctx.report.skipped["branching"] = why
+        return None
+    problems: list[str] = []
+    for task, at in zip(ctx.test, ("middle", "start", "last")):
+        problems += await _branching_problems(ctx.factory, task, ctx.limit, at)
+    return problems
+
+
+# (report name, check), run in this order. A check returns its problems ([] when it passes), or None
+# when it does not apply to the env.
+_CHECKS: tuple[tuple[str, Callable[[_CheckContext], Awaitable[list[str] | None]]], ...] = (
+    ("determinism", check_determinism),
+    ("disjoint_splits", check_disjoint_splits),
+    ("tool_schemas", check_tool_schemas),
+    ("bad_calls", check_bad_calls),
+    ("isolation", check_isolation),
+    ("expert", check_expert),
+    ("truncation", check_truncation),
+    ("branching", check_branching),
+)
+
+
+def _both_splits(env: Env, n_tasks: int, seed: int, report: CheckReport,
+                 raise_on_failure: bool) -> tuple[list[Task], list[Task]] | None:
+    """``env``'s train and test tasks, or, when ``tasks()`` raises or gives fewer than two per split
+    (nothing else can be checked then), None with the failure on ``report`` (EnvCheckError with
+    ``raise_on_failure``)."""
+    try:
+        train = env.tasks("train", n_tasks, seed)
+        test = env.tasks("test", n_tasks, seed)
+    except Exception as exc:
+        report.fail("tasks", f"tasks() raised {type(exc).__name__}: {exc}")
+        if raise_on_failure:
+            raise EnvCheckError(str(report)) from exc
+        return None
+    if len(train) < 2 or len(test) < 2:
+        report.fail("tasks", f"asked for {n_tasks} tasks per split, got {len(train)} train and {len(test)} test")
+        if raise_on_failure:
+            raise EnvCheckError(str(report))
+        return None
+    return train, test
+
+
+async def _run_check(check: Callable[[_CheckContext], Awaitable[list[str] | None]], ctx: _CheckContext) -> list[str] | None:
+    try:
+        return await check(ctx)
+    except Exception as exc:  # a crashing env is a failed check, reported with the others
+        return [f"raised {type(exc).__name__}: {exc}"]
+
+
 async def acheck_env(
     make_env: MakeEnv,
     n_tasks: int = 20,
@@ -344,173 +576,22 @@ async def acheck_env(
     first, second = factory(), factory()
     if first is second:
         report.fail("fresh_instances", "make_env() returned the same instance twice; episodes would share state")
-    try:
-        train = first.tasks("train", n_tasks, seed)
-        test = first.tasks("test", n_tasks, seed)
-    except Exception as exc:
-        report.fail("tasks", f"tasks() raised {type(exc).__name__}: {exc}")
-        if raise_on_failure:
-            raise EnvCheckError(str(report)) from exc
+    splits = _both_splits(first, n_tasks, seed, report, raise_on_failure)
+    if splits is None:
         return report
-    if len(train) < 2 or len(test) < 2:
-        report.fail("tasks", f"asked for {n_tasks} tasks per split, got {len(train)} train and {len(test)} test")
-        if raise_on_failure:
-            raise EnvCheckError(str(report))
-        return report
+    train, test = splits
     limit = int(getattr(first, "max_turns", 100)) + 1
+    ctx = _CheckContext(factory, first, second, train, test, n_tasks, seed, limit, min_expert_success, timeout_s, report)
 
-    async def determinism() -> list[str]:
-        problems = []
-        if len(train) != n_tasks or len(test) != n_tasks:
-            problems.append(f"asked for {n_tasks} tasks, got {len(train)} train and {len(test)} test")
-        if len({t.id for t in train}) != len(train):
-            problems.append("duplicate task ids within the train split")
-        if [t.model_dump() for t in second.tasks("train", n_tasks, seed)] != [t.model_dump() for t in train]:
-            problems.append(f"tasks('train', {n_tasks}, seed={seed}) differ between two instances")
-        if [t.id for t in first.tasks("train", n_tasks, seed + 1)] == [t.id for t in train]:
-            problems.append(f"seeds {seed} and {seed + 1} give the same train tasks")
-        wrong = [t.id for t in train if t.split != "train"] + [t.id for t in test if t.split != "test"]
-        if wrong:
-            problems.append(f"tasks carry the wrong split: {wrong[:3]}")
-        resets_first, keys_first, resets_second, keys_second = [], [], [], []
-        for t in test[:5]:
-            resets_first.append(await first.reset(t))
-            keys_first.append(_state_key(first))
-        for t in test[:5]:
-            resets_second.append(await second.reset(t))
-            keys_second.append(_state_key(second))
-        if resets_first != resets_second:
-            problems.append("reset(task) gives different messages on two instances")
-        wrong_keys = [k for k in keys_first if k is not None and not isinstance(k, str)]
-        if wrong_keys:
-            problems.append(f"state_key() must return str or None, got {type(wrong_keys[0]).__name__}")
-        elif keys_first != keys_second:
-            problems.append("state_key() after reset(task) differs between two instances")
-        if any(not messages or messages[-1].role not in ("user", "system") for messages in resets_first):
-            problems.append("reset must return the initial system/user messages")
-        return problems
-
-    async def disjoint_splits() -> list[str]:
-        problems = []
-        shared_ids = {t.id for t in train} & {t.id for t in test}
-        if shared_ids:
-            problems.append(f"train and test share task ids: {sorted(shared_ids)[:3]}")
-        shared_data = {_task_content(t) for t in train} & {_task_content(t) for t in test}
-        if shared_data:
-            problems.append(f"train and test share {len(shared_data)} task contents")
-        train_prompts = {_prompt_text(await first.reset(t)) for t in train}
-        test_prompts = {_prompt_text(await first.reset(t)) for t in test}
-        if train_prompts & test_prompts:
-            problems.append(f"train and test share {len(train_prompts & test_prompts)} initial prompts")
-        return problems
-
-    async def tool_schemas() -> list[str]:
-        return schema_problems(first.tool_schemas())
-
-    async def bad_calls() -> list[str]:
-        # Each bad call gives an error tool message, no exception, and the episode goes on.
-        problems: list[str] = []
-        schemas = first.tool_schemas()
-        tool_names = [s["function"]["name"] for s in schemas if isinstance(s, dict) and isinstance(s.get("function"), dict)]
-        probes: list[tuple[str, Message, tuple[str, ...]]] = [
-            ("unknown tool", Message(role="assistant", tool_calls=(ToolCall(name=_PROBE_TOOL, arguments={}, id="probe"),)), ()),
-            ("malformed call", Message(role="assistant", content="<tool_call>{not json"), ("invalid JSON in tool call",)),
-        ]
-        if tool_names:
-            bad_args = {"__no_such_argument__": 1}
-            probes.append(("bad arguments", Message(role="assistant", tool_calls=(ToolCall(name=tool_names[0], arguments=bad_args, id="probe"),)), ()))
-        for label, message, parse_errors in probes:
-            env = factory()
-            await env.reset(test[0])
-            try:
-                step = await env.step(message, parse_errors)
-            except Exception as exc:
-                problems.append(f"{label}: step raised {type(exc).__name__}: {exc}")
-                continue
-            if not any(_is_error_tool_message(m) for m in step.messages):
-                problems.append(f"{label}: no 'Error: ...' tool message in {[m.content[:60] for m in step.messages]}")
-            if step.terminated:
-                problems.append(f"{label}: the episode was terminated by a bad call")
-            problems += _step_problems(step, env.reward_range, label)
-        return problems
-
-    async def isolation() -> list[str]:
-        # Two instances stepped in turn must behave exactly as each alone.
-        problems = []
-        for a, b in [(test[0], test[1]), (train[0], test[-1])]:
-            alone_a = await _expert_trace(factory(), a, limit)
-            alone_b = await _expert_trace(factory(), b, limit)
-            mixed_a, mixed_b = await _interleaved_traces(factory(), a, factory(), b, limit)
-            if mixed_a != alone_a or mixed_b != alone_b:
-                problems.append(f"tasks {a.id} and {b.id}: interleaved episodes differ from the same episodes run alone")
-        return problems
-
-    async def expert() -> list[str]:
-        # The expert solves the tasks; rewards in range; its episodes end terminated.
-        problems: list[str] = []
-        solved = 0
-        for task in test:
-            result = await _checked_expert_episode(factory(), task, limit, timeout_s, problems)
-            solved += int(result.success)
-            if result.error:
-                problems.append(f"task {task.id}: expert episode failed: {result.error}")
-            elif result.end_reason != "terminated":
-                problems.append(f"task {task.id}: expert episode ended with {result.end_reason}, not terminated")
-        report.expert_success_rate = solved / len(test)
-        if report.expert_success_rate < min_expert_success:
-            problems.append(f"expert solved {solved}/{len(test)} test tasks, below {min_expert_success:.0%}")
-        return problems
-
-    async def truncation() -> list[str]:
-        # An agent that never finishes (it keeps calling an unknown tool) is cut by the env's limit.
-        problems: list[str] = []
-        env = factory()
-        await env.reset(test[0])
-        max_turns = getattr(env, "max_turns", None)
-        cap = int(max_turns) if isinstance(max_turns, int) else 1000
-        idle = Message(role="assistant", tool_calls=(ToolCall(name=_PROBE_TOOL, arguments={}, id="idle"),))
-        ended = None
-        for turn in range(1, cap + 1):
-            step = await env.step(idle)
-            problems += _step_problems(step, env.reward_range, f"idle turn {turn}")
-            if step.terminated or step.truncated:
-                ended = (turn, step)
-                break
-        if ended is None:
-            problems.append(f"an agent that never finishes was not truncated within {cap} turns")
-        else:
-            turn, step = ended
-            if not step.truncated or step.terminated:
-                problems.append(
-                    f"idle episode ended at turn {turn} with terminated={step.terminated}, truncated={step.truncated}; expected truncated"
-                )
-            if isinstance(max_turns, int) and turn != max_turns:
-                problems.append(f"idle episode was truncated at turn {turn}, expected max_turns={max_turns}")
-        return problems
-
-    async def branching() -> list[str] | None:
-        # snapshot/restore round trips; None (skipped) for an env that cannot branch.
-        supported, why = _can_branch(factory())
-        if not supported:
-            report.skipped["branching"] = why
-            return None
-        problems: list[str] = []
-        for task, at in zip(test, ("middle", "start", "last")):
-            problems += await _branching_problems(factory, task, limit, at)
-        return problems
-
-    for check in (determinism, disjoint_splits, tool_schemas, bad_calls, isolation, expert, truncation, branching):
-        try:
-            problems = await check()
-        except Exception as exc:  # a crashing env is a failed check, reported with the others
-            problems = [f"raised {type(exc).__name__}: {exc}"]
+    for check_name, check in _CHECKS:
+        problems = await _run_check(check, ctx)
         if problems is None:  # the check does not apply to this env (see report.skipped)
             continue
         if problems:
             for problem in problems:
-                report.fail(check.__name__, problem)
+                report.fail(check_name, problem)
         else:
-            report.passed.append(check.__name__)
+            report.passed.append(check_name)
 
     if raise_on_failure and not report.ok:
         raise EnvCheckError(str(report))
