@@ -62,6 +62,7 @@ import dataclasses
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -72,18 +73,12 @@ from tracegym.algos.aggregation import aggregate, masked_mean
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import Batch, examples_from_groups, make_batch, split_microbatches
 from tracegym.config import DistillConfig, TeacherConfig, dump_config
-from tracegym.recipes.rl import (
-    collect_groups,
-    evaluate_policy,
-    load_policy,
-    make_renderer,
-    make_sampler,
-    rollout_metrics,
-    tasks_at,
-)
+from tracegym.rl.collect import collect_groups, evaluate_policy, rollout_metrics
+from tracegym.rl.policy import load_policy, make_renderer, make_sampler
+from tracegym.rl.tasks import tasks_at
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
-from tracegym.train.logprobs import _forward_logits, _pad_front
+from tracegym.train.logprobs import forward_logits, pad_front
 from tracegym.train.lora import count_parameters
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
 from tracegym.train.policy_update import batch_logprobs, policy_update, reduce_part_metrics, score_batch
@@ -469,13 +464,13 @@ def token_generalized_jsd(model: Any, teacher: Any, part: Batch, beta: float, ch
     compares the two next-token distributions at position ``t`` (where token ``t + 1`` was sampled);
     computed on loss-mask columns only, 0 elsewhere. Gradient flows into ``model`` only."""
     first = part.first_loss_column
-    student_logits = _forward_logits(model, part.input_ids, part.attention_mask, first)  # [b, L - first, V]
+    student_logits = forward_logits(model, part.input_ids, part.attention_mask, first)  # [b, L - first, V]
     with torch.no_grad():
-        teacher_logits = _forward_logits(teacher, part.input_ids, part.attention_mask, first)
+        teacher_logits = forward_logits(teacher, part.input_ids, part.attention_mask, first)
     # the logits' last position predicts nothing (no target): a zero mask column stands for it
     mask = torch.cat([part.loss_mask[:, first:], part.loss_mask.new_zeros(part.size, 1)], dim=1)  # [b, L - first]
     jsd = generalized_jsd(student_logits, teacher_logits, beta, mask=mask, chunk_rows=chunk_rows)
-    return _pad_front(jsd[:, :-1], first)  # [b, T]
+    return pad_front(jsd[:, :-1], first)  # [b, T]
 
 
 def jsd_update(
@@ -518,10 +513,75 @@ def policy_loss_config(cfg: DistillConfig) -> PolicyLossConfig:
     return PolicyLossConfig(loss=cfg.loss, tis_cap=cfg.tis_cap)
 
 
+@dataclass
+class DistillRun:
+    """What the distillation loop holds from one step to the next (built by ``prepare_run``)."""
+
+    cfg: DistillConfig
+    loss_cfg: PolicyLossConfig
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    teacher: Teacher
+    renderer: Any
+    sampler: Any
+    pad_id: int
+    temperature: float  # > 0 (validated): the trainer scores what the engine sampled from
+    optimizer: Any
+    scheduler: Any
+    train_tasks: list[Any]
+    test_tasks: list[Any]
+    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
+    progress: ProgressBar = None  # type: ignore[assignment]
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def eval_seed(self) -> int:
+        return self.cfg.seed + 1_000_003
+
+
 def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | None = None) -> DistillResult:
     """Run on-policy distillation as ``cfg`` says; ``resume`` continues from the latest intact
     checkpoint in ``cfg.output_dir``. ``stop_at_step`` returns right after that step without saving,
     as if the process had been killed there (tests check that resume then equals a straight run)."""
+    run = prepare_run(cfg, resume)
+    final_dir = None
+    try:
+        while run.step < cfg.steps:
+            t_start = time.perf_counter()
+            groups, metrics = collect_step(run, t_start)    # 1. the student's own episodes
+            # 2. token-exact examples (loss mask 1 on sampled tokens), advantages filled in by the teacher
+            data = examples_from_groups(groups, run.renderer, max_length=cfg.max_length)
+            metrics.update({"examples/count": float(len(data.examples)),
+                            "examples/dropped_too_long": float(data.dropped_too_long)})
+            t_train = time.perf_counter()
+            if data.examples:
+                metrics.update(update_student(run, data))   # 3. the teacher grades every sampled token, 4. update, sync
+            run.step += 1
+            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
+                            "rss_mb": process_rss_mb()})
+            end_of_step(run, metrics, groups)               # 5. evaluate, log
+            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+                return DistillResult(run.run_dir, None, run.step, run.history)
+            maybe_checkpoint(run)
+        final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
+            "base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "distill", "env": cfg.env.name, "teacher": cfg.teacher.model,
+            "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
+    finally:
+        run.progress.close()
+        run.logger.close()
+        run.teacher.close()
+    return DistillResult(run.run_dir, final_dir, run.step, run.history)
+
+
+# --- the steps of the loop -------------------------------------------------------------------------
+
+
+def prepare_run(cfg: DistillConfig, resume: bool) -> DistillRun:
+    """Load tasks, the student (policy, sampler, optimizer) and the teacher (tokenizer checked),
+    restore a checkpoint and log step 0."""
     from tracegym.envs import make
 
     run_dir = Path(cfg.output_dir)
@@ -539,90 +599,89 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
     teacher = make_teacher(cfg.teacher, cfg.model.dtype, device, tokenizer)  # tokenizer checked
     renderer = make_renderer(cfg, tokenizer)  # type: ignore[arg-type]
     sampler = make_sampler(cfg, model, tokenizer, renderer)  # type: ignore[arg-type]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    temperature = cfg.rollout.temperature  # > 0 (validated): the trainer scores what the engine sampled from
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-
-    step = 0
-    restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
+    run = DistillRun(cfg, loss_cfg, run_dir, model, tokenizer, teacher, renderer, sampler,
+                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                     temperature=cfg.rollout.temperature, optimizer=optimizer,
+                     scheduler=build_scheduler(optimizer, cfg.optim, cfg.steps), train_tasks=train_tasks,
+                     test_tasks=test_tasks)
+    restored = load_latest_intact(run_dir, model, optimizer, run.scheduler) if resume else None
     if restored is not None:
         saved = restored.state.get("tasks", {})
         if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
             raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
-        step = restored.step
+        run.step = restored.step
         sampler.update_weights(model)
-    trainable, total = count_parameters(model)
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
-    history: list[dict[str, Any]] = []
-    eval_seed = cfg.seed + 1_000_003
-    if step == 0:
+    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    if run.step == 0:
+        trainable, total = count_parameters(model)
         row: dict[str, Any] = {"params/trainable": trainable, "params/total": total}
         if test_tasks and cfg.eval.at_start:
-            row.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))  # type: ignore[arg-type]
-        history.append(logger.log(0, row))
-    progress = ProgressBar(cfg.steps, "distill", enabled=cfg.logging.progress, completed=step)
-    final_dir = None
-    try:
-        while step < cfg.steps:
-            t_start = time.perf_counter()
-            # 1. the student's own episodes (the hf engine records each sampled token's log-prob)
-            tasks = tasks_at(train_tasks, cfg.seed, step * cfg.tasks_per_step, cfg.tasks_per_step)
-            groups, result = collect_groups(sampler, cfg, tasks, renderer, seed=cfg.seed * 1_000_003 + step)  # type: ignore[arg-type]
-            metrics: dict[str, Any] = rollout_metrics(groups, [result])
-            metrics["time/rollout_s"] = time.perf_counter() - t_start
+            row.update(evaluate_policy(cfg, sampler, renderer, test_tasks, run.eval_seed))  # type: ignore[arg-type]
+        run.history.append(run.logger.log(0, row))
+    run.progress = ProgressBar(cfg.steps, "distill", enabled=cfg.logging.progress, completed=run.step)
+    return run
 
-            # 2. token-exact examples (loss mask 1 on sampled tokens), advantages filled in below
-            data = examples_from_groups(groups, renderer, max_length=cfg.max_length)
-            metrics.update({"examples/count": float(len(data.examples)), "examples/dropped_too_long": float(data.dropped_too_long)})
 
-            # 3. the teacher grades every sampled token, 4. one update, then weight sync
-            t_train = time.perf_counter()
-            if data.examples:
-                batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
-                batch, distill_metrics = score_with_teacher(
-                    model, teacher, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                    student_logprobs=cfg.student_logprobs, advantage_clip=cfg.advantage_clip, top_p=cfg.rollout.top_p)
-                metrics.update(distill_metrics)
-                if cfg.loss == "jsd":  # the sampled-token scoring above then only feeds the distill/ metrics
-                    assert isinstance(teacher, LocalTeacher)  # the config refuses jsd with another engine
-                    metrics.update(jsd_update(model, teacher.module, batch, cfg.jsd_beta, optimizer, scheduler,
-                                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
-                                              train_mode=cfg.model.gradient_checkpointing))
-                else:
-                    metrics.update(policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1,
-                                                 micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                                                 max_grad_norm=cfg.optim.max_grad_norm,
-                                                 train_mode=cfg.model.gradient_checkpointing))
-                sampler.update_weights(model)
-            step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
+def collect_step(run: DistillRun, t_start: float) -> tuple[list[Any], dict[str, Any]]:
+    """The step's tasks and the student's own episodes of them (the hf engine records each sampled
+    token's log-prob); the row's rollout figures."""
+    cfg = run.cfg
+    tasks = tasks_at(run.train_tasks, cfg.seed, run.step * cfg.tasks_per_step, cfg.tasks_per_step)
+    groups, result = collect_groups(run.sampler, cfg, tasks, run.renderer,  # type: ignore[arg-type]
+                                    seed=cfg.seed * 1_000_003 + run.step)
+    metrics: dict[str, Any] = rollout_metrics(groups, [result])
+    metrics["time/rollout_s"] = time.perf_counter() - t_start
+    return groups, metrics
 
-            # 5. evaluate, log, checkpoint
-            if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
-                metrics.update(evaluate_policy(cfg, sampler, renderer, test_tasks, eval_seed))  # type: ignore[arg-type]
-            if step % cfg.logging.log_every == 0 or step == cfg.steps:
-                history.append(logger.log(step, metrics))
-            kl_text = f" reverse_kl {metrics['distill/reverse_kl']:.4f}" if "distill/reverse_kl" in metrics else ""
-            progress.update(1, info=f"reward {metrics['reward/mean']:.3f}{kl_text}",
-                            tokens=int(sum(t.num_generated_tokens for g in groups for t in g.trajectories)))
-            if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
-                return DistillResult(run_dir, None, step, history)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": step * cfg.tasks_per_step}
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
-                                                             "renderer": cfg.model.renderer or cfg.model.name,
-                                                             "recipe": "distill", "env": cfg.env.name,
-                                                             "teacher": cfg.teacher.model,
-                                                             "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
-    finally:
-        progress.close()
-        logger.close()
-        teacher.close()
-    return DistillResult(run_dir, final_dir, step, history)
+
+def update_student(run: DistillRun, data: Any) -> dict[str, Any]:
+    """The teacher's log-probs of the sampled tokens (advantages ``-(log pi_student - log pi_teacher)``),
+    one update (importance-weighted PG, or GKD's JSD), then the sampler's weight sync."""
+    cfg = run.cfg
+    batch = make_batch(data.examples, pad_token_id=run.pad_id, group_ids=data.group_index)
+    batch, metrics = score_with_teacher(
+        run.model, run.teacher, batch, run.loss_cfg, micro_batch_size=cfg.micro_batch_size, temperature=run.temperature,
+        student_logprobs=cfg.student_logprobs, advantage_clip=cfg.advantage_clip, top_p=cfg.rollout.top_p)
+    metrics = dict(metrics)
+    if cfg.loss == "jsd":  # the sampled-token scoring above then only feeds the distill/ metrics
+        assert isinstance(run.teacher, LocalTeacher)  # the config refuses jsd with another engine
+        metrics.update(jsd_update(run.model, run.teacher.module, batch, cfg.jsd_beta, run.optimizer, run.scheduler,
+                                  micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
+                                  train_mode=cfg.model.gradient_checkpointing))
+    else:
+        metrics.update(policy_update(run.model, batch, run.loss_cfg, run.optimizer, run.scheduler, epochs=1,
+                                     micro_batch_size=cfg.micro_batch_size, temperature=run.temperature,
+                                     max_grad_norm=cfg.optim.max_grad_norm,
+                                     train_mode=cfg.model.gradient_checkpointing))
+    run.sampler.update_weights(run.model)
+    return metrics
+
+
+def end_of_step(run: DistillRun, metrics: dict[str, Any], groups: list[Any]) -> None:
+    """Evaluate when due, log the row and move the progress bar."""
+    cfg = run.cfg
+    if run.test_tasks and ((cfg.eval.every and run.step % cfg.eval.every == 0) or run.step == cfg.steps):
+        metrics.update(evaluate_policy(cfg, run.sampler, run.renderer, run.test_tasks,  # type: ignore[arg-type]
+                                       run.eval_seed))
+    if run.step % cfg.logging.log_every == 0 or run.step == cfg.steps:
+        run.history.append(run.logger.log(run.step, metrics))
+    kl_text = f" reverse_kl {metrics['distill/reverse_kl']:.4f}" if "distill/reverse_kl" in metrics else ""
+    run.progress.update(1, info=f"reward {metrics['reward/mean']:.3f}{kl_text}",
+                        tokens=int(sum(t.num_generated_tokens for g in groups for t in g.trajectories)))
+
+
+def maybe_checkpoint(run: DistillRun) -> None:
+    """Every ``checkpoint.every`` steps and at the last: weights, optimizer, scheduler and the tasks
+    trained on (their seed and count; the cursor is ``step * tasks_per_step``)."""
+    cfg = run.cfg
+    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
+        state = {"tasks": {"seed": cfg.tasks.seed, "train": len(run.train_tasks)},
+                 "task_cursor": run.step * cfg.tasks_per_step}
+        save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, run.scheduler, state,
+                        keep_last=cfg.checkpoint.keep_last)
+
 
 
 __all__ = [

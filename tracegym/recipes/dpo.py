@@ -354,11 +354,76 @@ def load_policy_and_reference(cfg: DPOConfig, device: torch.device) -> tuple[Any
 # --- the loop -------------------------------------------------------------------------------------
 
 
+@dataclass
+class DPORun:
+    """What the preference loop holds from one step to the next (built by ``prepare_run``)."""
+
+    cfg: DPOConfig
+    opts: PreferenceOptions
+    run_dir: Path
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: Any
+    reference: torch.nn.Module | None  # None: the LoRA base with the adapter disabled
+    pad_id: int
+    items: list[PreferenceItem]
+    steps_per_epoch: int
+    total_steps: int
+    data_digest: str
+    optimizer: Any
+    scheduler: Any
+    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
+    progress: ProgressBar = None  # type: ignore[assignment]
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # batches of ``epoch`` already trained
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
 def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = None) -> DPOResult:
     """Run preference learning as ``cfg`` says; ``resume`` continues from the latest checkpoint.
 
     ``stop_at_step`` returns right after that step with no further save, as if killed there (tests).
     """
+    run = prepare_run(cfg, resume)                  # 1-3. loss, policy and reference, data, resume
+    final_dir = None
+    try:
+        while run.step < run.total_steps:
+            batch = next_batch(run)                 # 4. the epoch's seeded order; moves the data cursor
+            run.step += 1
+            metrics = train_step(run, batch)        # 4-5. (KTO's z0,) accumulate, clip, AdamW, schedule
+            if run.step % cfg.logging.log_every == 0 or run.step == run.total_steps:
+                run.history.append(run.logger.log(run.step, metrics))
+            run.progress.update(1, info=f"loss {metrics['loss']:.4f} acc {metrics.get('accuracy', float('nan')):.2f}",
+                                tokens=metrics["tokens"])
+            if stop_at_step is not None and run.step >= stop_at_step and run.step < run.total_steps:
+                return DPOResult(run.run_dir, None, run.step, run.history)
+            maybe_checkpoint(run)                   # 6.
+        final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
+            "base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "dpo", "loss": cfg.loss.name})
+    finally:
+        run.progress.close()
+        run.logger.close()
+    return DPOResult(run.run_dir, final_dir, run.step, run.history)
+
+
+# --- the steps of the loop -------------------------------------------------------------------------
+
+
+def check_kto_balance(opts: PreferenceOptions, counts: dict[str, int]) -> None:
+    """Warn when ``lambda_d * n_desirable / (lambda_u * n_undesirable)`` is outside the KTO paper's [1, 4/3]."""
+    n_d, n_u = counts["desirable"], counts["undesirable"]
+    lam_d, lam_u = getattr(opts, "lambda_d", 1.0), getattr(opts, "lambda_u", 1.0)
+    balance = lam_d * n_d / (lam_u * n_u) if n_u else float("inf")
+    if not 1.0 <= balance <= 4 / 3:
+        log.warning("KTO: lambda_d * n_desirable / (lambda_u * n_undesirable) = %.3g (%d desirable, %d undesirable); "
+                    "the KTO paper advises [1, 4/3]: adjust loss.lambda_d / loss.lambda_u", balance, n_d, n_u)
+
+
+def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
+    """Resolve the loss, read or build the records, load the policy and reference, make the items,
+    build the optimizer and schedule, restore the latest checkpoint (``resume``) and log step 0."""
     run_dir = Path(cfg.output_dir)
     opts = resolve_loss(cfg)  # a bad loss name or option fails before anything loads
     if not resume and list_checkpoints(run_dir):
@@ -367,13 +432,8 @@ def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = N
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    # -- model and reference -----------------------------------------------------------------------
     model, tokenizer, reference = load_policy_and_reference(cfg, device)
-    trainable, total = count_parameters(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    # -- data -------------------------------------------------------------------------------------
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
     data = preference_items(records, renderer, opts, cfg.max_length)
     items = data.items
@@ -382,76 +442,77 @@ def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = N
         raise ValueError(f"{len(items)} {unit} (from {build_counts or len(records)}, {data.counts}) is fewer than "
                          f"batch_size={cfg.batch_size}")
     if opts.data == "labelled":
-        n_d, n_u = data.counts["desirable"], data.counts["undesirable"]
-        lam_d, lam_u = getattr(opts, "lambda_d", 1.0), getattr(opts, "lambda_u", 1.0)
-        balance = lam_d * n_d / (lam_u * n_u) if n_u else float("inf")
-        if not 1.0 <= balance <= 4 / 3:
-            log.warning("KTO: lambda_d * n_desirable / (lambda_u * n_undesirable) = %.3g (%d desirable, %d undesirable); "
-                        "the KTO paper advises [1, 4/3]: adjust loss.lambda_d / loss.lambda_u", balance, n_d, n_u)
+        check_kto_balance(opts, data.counts)
     steps_per_epoch = len(items) // cfg.batch_size  # the last partial batch of an epoch is skipped
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    data_digest = _digest(items)
-
-    # -- optimizer, schedule, resume -----------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    step, epoch, position = 0, 0, 0  # position: batches of ``epoch`` already trained
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        restored = load_checkpoint(checkpoint, model, optimizer, scheduler)
-        cursor = restored.state["data"]
-        same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
-            data_digest, cfg.seed, cfg.batch_size, cfg.data.shuffle)
-        if not same:
-            raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
-        step, epoch, position = restored.step, cursor["epoch"], cursor["position"]
-        print(f"resumed from {checkpoint} (step {step}, epoch {epoch}, batch {position})")
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
-    if step == 0:
-        logger.log(0, {"params/trainable": trainable, "params/total": total,
-                       **{f"data/{k}": v for k, v in {**build_counts, **data.counts}.items()}})
-    progress = ProgressBar(total_steps, cfg.loss.name, enabled=cfg.logging.progress, completed=step)
+    run = DPORun(cfg, opts, run_dir, device, model, tokenizer, reference, pad_id, items, steps_per_epoch, total_steps,
+                 _digest(items), optimizer, scheduler)
+    if resume:
+        restore(run)
+    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    if run.step == 0:
+        trainable, total = count_parameters(model)
+        run.logger.log(0, {"params/trainable": trainable, "params/total": total,
+                           **{f"data/{k}": v for k, v in {**build_counts, **data.counts}.items()}})
+    run.progress = ProgressBar(total_steps, cfg.loss.name, enabled=cfg.logging.progress, completed=run.step)
+    return run
 
-    # -- the loop --------------------------------------------------------------------------------
-    history: list[dict[str, Any]] = []
-    final_dir = None
-    try:
-        while step < total_steps:
-            if position == steps_per_epoch:  # epoch done: the next one has its own order
-                epoch, position = epoch + 1, 0
-            order = epoch_order(len(items), cfg.seed, epoch, cfg.data.shuffle)
-            batch = [items[i] for i in order[position * cfg.batch_size:(position + 1) * cfg.batch_size]]
-            position += 1
-            step += 1
 
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            out = accumulate_preference_gradients(model, reference, batch, cfg.loss.name, opts, cfg.micro_batch_size,
-                                                  device, pad_id)
-            grad_norm = clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]  # the lr this step uses
-            optimizer.step()
-            scheduler.step()
-            elapsed = time.perf_counter() - started
+def restore(run: DPORun) -> None:
+    """Weights, optimizer, schedule, step and data cursor from the latest checkpoint (if any); one
+    trained on other data, seed, batch size or shuffling is refused."""
+    cfg = run.cfg
+    checkpoint = latest_checkpoint(run.run_dir)
+    if checkpoint is None:
+        return
+    restored = load_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
+    cursor = restored.state["data"]
+    same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
+        run.data_digest, cfg.seed, cfg.batch_size, cfg.data.shuffle)
+    if not same:
+        raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
+    run.step, run.epoch, run.position = restored.step, cursor["epoch"], cursor["position"]
+    print(f"resumed from {checkpoint} (step {run.step}, epoch {run.epoch}, batch {run.position})")
 
-            metrics = {**out, "grad_norm": grad_norm, "lr": lr, "epoch": epoch, "items": len(batch),
-                       "micro_batches": cfg.batch_size // cfg.micro_batch_size, "tokens_per_s": out["tokens"] / elapsed,
-                       "step_time_s": elapsed, "rss_mb": process_rss_mb()}
-            if step % cfg.logging.log_every == 0 or step == total_steps:
-                history.append(logger.log(step, metrics))
-            progress.update(1, info=f"loss {out['loss']:.4f} acc {out.get('accuracy', float('nan')):.2f}", tokens=out["tokens"])
 
-            if stop_at_step is not None and step >= stop_at_step and step < total_steps:
-                return DPOResult(run_dir, None, step, history)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total_steps:
-                state = {"data": {"epoch": epoch, "position": position, "seed": cfg.seed, "shuffle": cfg.data.shuffle,
-                                  "batch_size": cfg.batch_size, "num_items": len(items), "digest": data_digest}}
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
-                                                             "renderer": cfg.model.renderer or cfg.model.name,
-                                                             "recipe": "dpo", "loss": cfg.loss.name})
-    finally:
-        progress.close()
-        logger.close()
-    return DPOResult(run_dir, final_dir, step, history)
+def next_batch(run: DPORun) -> list[PreferenceItem]:
+    """The next ``batch_size`` items in the epoch's seeded order (a new epoch, a new order)."""
+    cfg = run.cfg
+    if run.position == run.steps_per_epoch:  # epoch done: the next one has its own order
+        run.epoch, run.position = run.epoch + 1, 0
+    order = epoch_order(len(run.items), cfg.seed, run.epoch, cfg.data.shuffle)
+    batch = [run.items[i] for i in order[run.position * cfg.batch_size:(run.position + 1) * cfg.batch_size]]
+    run.position += 1
+    return batch
+
+
+def train_step(run: DPORun, batch: list[PreferenceItem]) -> dict[str, Any]:
+    """One optimizer step on ``batch``: the loss's gradients accumulated over micro-batches, clipped,
+    AdamW step, schedule step; the row's training figures."""
+    cfg = run.cfg
+    started = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    out = accumulate_preference_gradients(run.model, run.reference, batch, cfg.loss.name, run.opts,
+                                          cfg.micro_batch_size, run.device, run.pad_id)
+    grad_norm = clip_gradients(run.model.parameters(), cfg.optim.max_grad_norm)
+    lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
+    run.optimizer.step()
+    run.scheduler.step()
+    elapsed = time.perf_counter() - started
+    return {**out, "grad_norm": grad_norm, "lr": lr, "epoch": run.epoch, "items": len(batch),
+            "micro_batches": cfg.batch_size // cfg.micro_batch_size, "tokens_per_s": out["tokens"] / elapsed,
+            "step_time_s": elapsed, "rss_mb": process_rss_mb()}
+
+
+def maybe_checkpoint(run: DPORun) -> None:
+    """Every ``checkpoint.every`` steps and at the last: weights, optimizer, scheduler and the data
+    cursor (epoch, position) with what it is only valid for (seed, shuffling, batch size, data digest)."""
+    cfg = run.cfg
+    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == run.total_steps:
+        state = {"data": {"epoch": run.epoch, "position": run.position, "seed": cfg.seed, "shuffle": cfg.data.shuffle,
+                          "batch_size": cfg.batch_size, "num_items": len(run.items), "digest": run.data_digest}}
+        save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, run.scheduler, state,
+                        keep_last=cfg.checkpoint.keep_last)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,9 +37,12 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.hierarchical import hierarchical_advantages, learnability_reward
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
-from tracegym.executors.base import batch_seed
-from tracegym.rollout import RolloutConfig, run_rollouts_sync
-from tracegym.rollout_team import with_adapter
+from tracegym.recipes.team import build_pool, restore_pool, role_adapters, sync_adapters
+from tracegym.rl.executors.base import batch_seed
+from tracegym.rl.policy import make_renderer, make_sampler
+from tracegym.rl.tasks import tasks_at
+from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
+from tracegym.rollout.team import with_adapter
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.policy_update import policy_update, score_batch
@@ -83,21 +87,102 @@ def _update(pool: Any, adapter: str, groups: list[TrajectoryGroup], advantages: 
     return out
 
 
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
 def _turn_advantages(groups: list[TrajectoryGroup], values: list[list[float]]) -> list[list[list[float]]]:
     """Each trajectory's advantage on every one of its turns."""
     return [[[a] * len(t.turns) for t, a in zip(g.trajectories, vals)] for g, vals in zip(groups, values)]
 
 
+@dataclass
+class SelfPlayRun:
+    """What the self-play loop holds from one step to the next (built by ``prepare_run``)."""
+
+    cfg: RLConfig
+    loss_cfg: PolicyLossConfig
+    run_dir: Path
+    proposer_env: Any  # open for the whole run: it turns proposals into solver tasks
+    pool: Any
+    model: Any  # the pool's model (both adapters on the one base), on the device
+    tokenizer: Any
+    adapters: dict[str, str]  # role (proposer, solver) -> adapter
+    renderer: Any
+    sampler: Any
+    proposer: Any  # the sampler with the proposer's adapter
+    solver: Any  # ... and with the solver's
+    pad_id: int
+    temperature: float
+    seeds: list[Any]  # the proposer env's train tasks
+    test_tasks: list[Any]  # held-out tasks of solver_env
+    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
+    progress: ProgressBar = None  # type: ignore[assignment]
+    step: int = 0
+    cursor: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Scored:
+    """One step's proposals and attempts with their rewards."""
+
+    proposals: list[TrajectoryGroup]  # as sampled, one group per seed task
+    solver_tasks: dict[tuple[int, int], Any]  # (group, index) of each valid proposal -> its solver task
+    pass_rate: dict[tuple[int, int], float | None]  # each valid proposal's solver pass rate (None: no attempt came back)
+    proposer_groups: list[TrajectoryGroup]  # the proposals with their learnability rewards
+    proposer_values: list[list[float]]
+    solver_groups: list[TrajectoryGroup]  # each solved-at task's attempts
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
 def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = None) -> TrainResult:
     """Self-play as ``cfg`` says (see the module docstring)."""
-    from tracegym.envs import make
-    from tracegym.eval import summarize
-    from tracegym.models import load
-    from tracegym.recipes.rl import make_renderer, make_sampler, tasks_at
-    from tracegym.recipes.team import build_pool, restore_pool, role_adapters, sync_adapters
-
     assert cfg.selfplay is not None
+    run = prepare_run(cfg, resume)
+    final_dir = None
+    try:
+        while run.step < cfg.steps:
+            t_start = time.perf_counter()
+            seed = batch_seed(cfg.seed, run.step, 0)
+            proposed = propose(run, seed)                        # 1. group_size proposals per seed task
+            proposals = group_trajectories(proposed.trajectories)
+            solver_tasks = solver_tasks_of(run, proposals)       # 2. each valid proposal is a solver task,
+            attempts = attempt(run, solver_tasks, seed + 7)      #    attempted solver_attempts times
+            scored = score_proposals(run, proposals, solver_tasks, attempts)  # 3. rewards
+            metrics = step_metrics(scored, proposed, attempts, t_start)
+            t_train = time.perf_counter()
+            metrics.update(update_roles(run, scored))            # 4. hierarchical advantages, updates, sync
+            run.step += 1
+            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
+                            "rss_mb": process_rss_mb()})
+            end_of_step(run, metrics)                            # 5. evaluate the solver, log
+            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+                return TrainResult(run.run_dir, None, run.step, run.history)
+            maybe_checkpoint(run)
+        final_dir = save_team_final(run.pool, run.tokenizer, run.run_dir, {
+            "base_model": cfg.model.name, "lora": True, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "selfplay", "env": cfg.env.name, "solver_env": cfg.selfplay.solver_env, "roles": run.adapters})
+    finally:
+        run.proposer_env.close()
+        run.progress.close()
+        run.logger.close()
+    return TrainResult(run.run_dir, final_dir, run.step, run.history)
+
+
+# --- the steps of the loop -------------------------------------------------------------------------
+
+
+def prepare_run(cfg: RLConfig, resume: bool) -> SelfPlayRun:
+    """Check the config, load both envs' tasks, the base and its two adapters, restore a checkpoint,
+    log step 0."""
+    from tracegym.envs import make
+    from tracegym.models import load
+
     sp = cfg.selfplay
+    assert sp is not None
     run_dir = Path(cfg.output_dir)
     if not resume and list_checkpoints(run_dir):
         raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
@@ -118,110 +203,141 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     renderer = make_renderer(cfg, tokenizer)
     sampler = make_sampler(cfg, model, tokenizer, renderer)
     sampler.update_weights(model)  # vllm: every adapter sent as its first version (hf: nothing to copy)
-    proposer, solver = with_adapter(sampler, adapters["proposer"]), with_adapter(sampler, adapters["solver"])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-    def evaluate() -> dict[str, float]:  # the solver on held-out tasks of solver_env
-        rc = RolloutConfig(**cfg.rollout.settings(temperature=cfg.eval.temperature, measure_logprob_gap=False),
-                           samples_per_task=cfg.eval.samples_per_task, seed=cfg.seed + 1_000_003)
-        result = run_rollouts_sync(sp.solver_env, test_tasks, solver, renderer, rc, progress=False,
-                                   env_options=sp.solver_env_options, policy_name="solver")
-        summary = summarize(result.trajectories + result.failed, ks=[1], turns=[cfg.rollout.max_turns],
-                            env=sp.solver_env, n_bootstrap=200)
-        return {"eval/pass@1": summary["pass_at"][str(cfg.rollout.max_turns)]["1"],
-                "eval/success_rate": summary["success_rate"]}
-
-    step, cursor = 0, 0
+    run = SelfPlayRun(cfg, loss_cfg, run_dir, proposer_env, pool, model, tokenizer, adapters, renderer, sampler,
+                      proposer=with_adapter(sampler, adapters["proposer"]), solver=with_adapter(sampler, adapters["solver"]),
+                      pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                      temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+                      seeds=seeds, test_tasks=test_tasks)
     restored = load_latest_intact(run_dir) if resume else None
     if restored is not None:
-        step, cursor = restore_pool(restored, pool)
+        run.step, run.cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
-    history: list[dict[str, Any]] = []
-    if step == 0:
+    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    if run.step == 0:
         row: dict[str, Any] = {f"memory/{k}": v for k, v in pool.memory_report().items()}
         if test_tasks and cfg.eval.at_start:
-            row.update(evaluate())
-        history.append(logger.log(0, row))
-    progress = ProgressBar(cfg.steps, "self-play", enabled=cfg.logging.progress, completed=step)
-    final_dir = None
-    mean = lambda values: float(statistics.fmean(values)) if values else 0.0  # noqa: E731
-    try:
-        while step < cfg.steps:
-            t_start = time.perf_counter()
-            seed = batch_seed(cfg.seed, step, 0)
-            # 1. proposals: group_size per seed task, with the proposer's adapter
-            seed_tasks = tasks_at(seeds, cfg.tasks.seed, cursor, cfg.tasks_per_step)
-            cursor += len(seed_tasks)
-            rc = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size, seed=seed)
-            proposed = run_rollouts_sync(cfg.env.name, seed_tasks, proposer, renderer, rc, progress=False,
-                                         env_options=cfg.env.options, policy_name="proposer")
-            proposals = group_trajectories(proposed.trajectories)
-            # 2. each valid proposal is a solver task, attempted solver_attempts times
-            solver_tasks: dict[tuple[int, int], Any] = {}
-            for g, group in enumerate(proposals):
-                for i, t in enumerate(group.trajectories):
-                    task = proposer_env.solver_task_from(t.messages, f"sp{step}-{g}-{i}")
-                    if task is not None:
-                        solver_tasks[(g, i)] = task
-            rc_solver = RolloutConfig(**cfg.rollout.settings(), samples_per_task=sp.solver_attempts, seed=seed + 7)
-            attempts = run_rollouts_sync(sp.solver_env, list(solver_tasks.values()), solver, renderer, rc_solver,
-                                         progress=False, env_options=sp.solver_env_options,
-                                         policy_name="solver") if solver_tasks else None
-            by_task: dict[str, list[Trajectory]] = {}
-            for t in attempts.trajectories if attempts else []:
-                by_task.setdefault(t.task_id, []).append(t)
-            # 3. rewards and hierarchical advantages
-            pass_rate = {key: mean([float(t.success) for t in by_task.get(task.id, [])]) if by_task.get(task.id) else None
-                         for key, task in solver_tasks.items()}
-            proposer_groups, proposer_values = [], []
-            for g, group in enumerate(proposals):
-                keys = [(g, i) for i in range(len(group.trajectories))]
-                rewards = proposer_rewards([k in solver_tasks for k in keys], [pass_rate.get(k) for k in keys])
-                proposer_groups.append(group.model_copy(update={"trajectories": tuple(
-                    _with_reward(t, r) for t, r in zip(group.trajectories, rewards))}))
-                proposer_values.append(rewards)
-            solver_groups = [TrajectoryGroup(env=sp.solver_env, task_id=task.id, trajectories=tuple(by_task[task.id]))
-                             for task in solver_tasks.values() if by_task.get(task.id)]
-            metrics: dict[str, Any] = {
-                "proposer/valid_rate": mean([float(k in solver_tasks) for g, grp in enumerate(proposals)
-                                             for k in [(g, i) for i in range(len(grp.trajectories))]]),
-                "proposer/reward": mean([r for rs in proposer_values for r in rs]),
-                "solver/pass_rate": mean([p for p in pass_rate.values() if p is not None]),
-                "solver/learnable_share": mean([float(p is not None and 0 < p < 1) for p in pass_rate.values()]),
-                "reward/mean": mean([r for rs in proposer_values for r in rs]),
-                "env/errors": float(proposed.stats.failed + (attempts.stats.failed if attempts else 0)),
-                "time/rollout_s": time.perf_counter() - t_start,
-            }
-            # 4. updates: proposals baselined within their seed, attempts within their proposal
-            t_train = time.perf_counter()
-            for role, groups in (("proposer", proposer_groups), ("solver", solver_groups)):
-                if not cfg.roles[role].train or not groups:
-                    continue
-                values = hierarchical_advantages([g.rewards for g in groups])
-                metrics.update(_update(pool, adapters[role], groups, _turn_advantages(groups, values), cfg, loss_cfg,
-                                       renderer, pad_id, temperature))
-            sync_adapters(sampler, model, [adapters[r] for r in ("proposer", "solver") if cfg.roles[r].train])
-            step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
-            if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
-                metrics.update(evaluate())
-            if step % cfg.logging.log_every == 0 or step == cfg.steps:
-                history.append(logger.log(step, metrics))
-            progress.update(1, info=f"valid {metrics['proposer/valid_rate']:.2f} solver {metrics['solver/pass_rate']:.2f}")
-            if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
-                return TrainResult(run_dir, None, step, history)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-                state = {"task_cursor": cursor, "pool": pool.state_dict(), "roles": adapters}
-                save_checkpoint(run_dir, step, model, None, None, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = save_team_final(pool, tokenizer, run_dir, {
-            "base_model": cfg.model.name, "lora": True, "renderer": cfg.model.renderer or cfg.model.name,
-            "recipe": "selfplay", "env": cfg.env.name, "solver_env": sp.solver_env, "roles": adapters})
-    finally:
-        proposer_env.close()
-        progress.close()
-        logger.close()
-    return TrainResult(run_dir, final_dir, step, history)
+            row.update(evaluate_solver(run))
+        run.history.append(run.logger.log(0, row))
+    run.progress = ProgressBar(cfg.steps, "self-play", enabled=cfg.logging.progress, completed=run.step)
+    return run
+
+
+def evaluate_solver(run: SelfPlayRun) -> dict[str, float]:
+    """pass@1 and success rate of the solver on held-out tasks of ``solver_env``."""
+    from tracegym.eval import summarize
+
+    cfg, sp = run.cfg, run.cfg.selfplay
+    assert sp is not None
+    rc = RolloutConfig(**cfg.rollout.settings(temperature=cfg.eval.temperature, measure_logprob_gap=False),
+                       samples_per_task=cfg.eval.samples_per_task, seed=cfg.seed + 1_000_003)
+    result = run_rollouts_sync(sp.solver_env, run.test_tasks, run.solver, run.renderer, rc, progress=False,
+                               env_options=sp.solver_env_options, policy_name="solver")
+    summary = summarize(result.trajectories + result.failed, ks=[1], turns=[cfg.rollout.max_turns],
+                        env=sp.solver_env, n_bootstrap=200)
+    return {"eval/pass@1": summary["pass_at"][str(cfg.rollout.max_turns)]["1"],
+            "eval/success_rate": summary["success_rate"]}
+
+
+def propose(run: SelfPlayRun, seed: int) -> RolloutResult:
+    """The step's seed tasks (seeded order, resumable cursor), ``group_size`` proposer episodes each."""
+    cfg = run.cfg
+    seed_tasks = tasks_at(run.seeds, cfg.tasks.seed, run.cursor, cfg.tasks_per_step)
+    run.cursor += len(seed_tasks)
+    rc = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size, seed=seed)
+    return run_rollouts_sync(cfg.env.name, seed_tasks, run.proposer, run.renderer, rc, progress=False,
+                             env_options=cfg.env.options, policy_name="proposer")
+
+
+def solver_tasks_of(run: SelfPlayRun, proposals: list[TrajectoryGroup]) -> dict[tuple[int, int], Any]:
+    """(group, index) of each valid proposal -> the solver task the proposer env makes of it."""
+    solver_tasks: dict[tuple[int, int], Any] = {}
+    for g, group in enumerate(proposals):
+        for i, t in enumerate(group.trajectories):
+            task = run.proposer_env.solver_task_from(t.messages, f"sp{run.step}-{g}-{i}")
+            if task is not None:
+                solver_tasks[(g, i)] = task
+    return solver_tasks
+
+
+def attempt(run: SelfPlayRun, solver_tasks: dict[tuple[int, int], Any], seed: int) -> RolloutResult | None:
+    """``solver_attempts`` solver episodes of each solver task (None when no proposal was valid)."""
+    cfg, sp = run.cfg, run.cfg.selfplay
+    assert sp is not None
+    if not solver_tasks:
+        return None
+    rc_solver = RolloutConfig(**cfg.rollout.settings(), samples_per_task=sp.solver_attempts, seed=seed)
+    return run_rollouts_sync(sp.solver_env, list(solver_tasks.values()), run.solver, run.renderer, rc_solver,
+                             progress=False, env_options=sp.solver_env_options, policy_name="solver")
+
+
+def score_proposals(run: SelfPlayRun, proposals: list[TrajectoryGroup], solver_tasks: dict[tuple[int, int], Any],
+                    attempts: RolloutResult | None) -> Scored:
+    """Each valid proposal's solver pass rate ``p``, the proposals' rewards ``valid * 4p(1-p)`` and the
+    solver's groups (one per task that got attempts back)."""
+    by_task: dict[str, list[Trajectory]] = {}
+    for t in attempts.trajectories if attempts else []:
+        by_task.setdefault(t.task_id, []).append(t)
+    pass_rate = {key: _mean([float(t.success) for t in by_task.get(task.id, [])]) if by_task.get(task.id) else None
+                 for key, task in solver_tasks.items()}
+    proposer_groups, proposer_values = [], []
+    for g, group in enumerate(proposals):
+        keys = [(g, i) for i in range(len(group.trajectories))]
+        rewards = proposer_rewards([k in solver_tasks for k in keys], [pass_rate.get(k) for k in keys])
+        proposer_groups.append(group.model_copy(update={"trajectories": tuple(
+            _with_reward(t, r) for t, r in zip(group.trajectories, rewards))}))
+        proposer_values.append(rewards)
+    solver_env = run.cfg.selfplay.solver_env  # type: ignore[union-attr]
+    solver_groups = [TrajectoryGroup(env=solver_env, task_id=task.id, trajectories=tuple(by_task[task.id]))
+                     for task in solver_tasks.values() if by_task.get(task.id)]
+    return Scored(proposals, solver_tasks, pass_rate, proposer_groups, proposer_values, solver_groups)
+
+
+def step_metrics(scored: Scored, proposed: RolloutResult, attempts: RolloutResult | None,
+                 t_start: float) -> dict[str, Any]:
+    """The row's rollout figures: valid proposals, rewards, the solver's pass rate and learnable share."""
+    solver_tasks, pass_rate = scored.solver_tasks, scored.pass_rate
+    return {
+        "proposer/valid_rate": _mean([float(k in solver_tasks) for g, grp in enumerate(scored.proposals)
+                                      for k in [(g, i) for i in range(len(grp.trajectories))]]),
+        "proposer/reward": _mean([r for rs in scored.proposer_values for r in rs]),
+        "solver/pass_rate": _mean([p for p in pass_rate.values() if p is not None]),
+        "solver/learnable_share": _mean([float(p is not None and 0 < p < 1) for p in pass_rate.values()]),
+        "reward/mean": _mean([r for rs in scored.proposer_values for r in rs]),
+        "env/errors": float(proposed.stats.failed + (attempts.stats.failed if attempts else 0)),
+        "time/rollout_s": time.perf_counter() - t_start,
+    }
+
+
+def update_roles(run: SelfPlayRun, scored: Scored) -> dict[str, float]:
+    """Update the proposer adapter (proposals baselined within their seed), then the solver adapter
+    (attempts baselined within their proposal), each with its own optimizer; then sync the sampler."""
+    cfg = run.cfg
+    metrics: dict[str, float] = {}
+    for role, groups in (("proposer", scored.proposer_groups), ("solver", scored.solver_groups)):
+        if not cfg.roles[role].train or not groups:
+            continue
+        values = hierarchical_advantages([g.rewards for g in groups])
+        metrics.update(_update(run.pool, run.adapters[role], groups, _turn_advantages(groups, values), cfg,
+                               run.loss_cfg, run.renderer, run.pad_id, run.temperature))
+    sync_adapters(run.sampler, run.model, [run.adapters[r] for r in ("proposer", "solver") if cfg.roles[r].train])
+    return metrics
+
+
+def end_of_step(run: SelfPlayRun, metrics: dict[str, Any]) -> None:
+    """Evaluate the solver when due, log the row and move the progress bar."""
+    cfg = run.cfg
+    if run.test_tasks and ((cfg.eval.every and run.step % cfg.eval.every == 0) or run.step == cfg.steps):
+        metrics.update(evaluate_solver(run))
+    if run.step % cfg.logging.log_every == 0 or run.step == cfg.steps:
+        run.history.append(run.logger.log(run.step, metrics))
+    run.progress.update(1, info=f"valid {metrics['proposer/valid_rate']:.2f} solver {metrics['solver/pass_rate']:.2f}")
+
+
+def maybe_checkpoint(run: SelfPlayRun) -> None:
+    """Every ``checkpoint.every`` steps and at the last: both adapters' weights, optimizers and
+    schedules, and the task cursor."""
+    cfg = run.cfg
+    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
+        state = {"task_cursor": run.cursor, "pool": run.pool.state_dict(), "roles": run.adapters}
+        save_checkpoint(run.run_dir, run.step, run.model, None, None, state, keep_last=cfg.checkpoint.keep_last)

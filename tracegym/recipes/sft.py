@@ -170,25 +170,69 @@ def evaluate_loss(model: torch.nn.Module, examples: Sequence[TrainingExample], m
     return {"eval/loss": out["loss"], "eval/loss_tokens": float(out["loss_tokens"])}
 
 
+@dataclass
+class SFTRun:
+    """What the SFT loop holds from one step to the next (built by ``prepare_run``)."""
+
+    cfg: SFTConfig
+    run_dir: Path
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: Any
+    pad_id: int
+    data: SFTData  # the training files' examples and counts (``examples``: at most ``max_examples`` of them)
+    examples: list[TrainingExample]
+    eval_examples: list[TrainingExample]
+    steps_per_epoch: int
+    total_steps: int
+    data_digest: str
+    optimizer: Any
+    scheduler: Any
+    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
+    progress: ProgressBar = None  # type: ignore[assignment]
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # batches of ``epoch`` already trained
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
 def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = None) -> SFTResult:
     """Run SFT as ``cfg`` says. ``resume`` continues from the latest checkpoint in ``cfg.output_dir``.
 
     ``stop_at_step`` returns right after that step with no further save, as if the process had been
     killed there (tests use it; a later ``resume=True`` run continues from the last checkpoint).
     """
+    run = prepare_run(cfg, resume)                  # 1-2. model, data, optimizer, schedule, resume
+    final_dir = None
+    try:
+        while run.step < run.total_steps:
+            batch = next_batch(run)                 # 3. the epoch's seeded order; moves the data cursor
+            run.step += 1
+            metrics = train_step(run, batch)        # 3-4. accumulate, clip, AdamW step, schedule step
+            end_of_step(run, metrics)               # evaluate when due, log
+            if stop_at_step is not None and run.step >= stop_at_step and run.step < run.total_steps:
+                return SFTResult(run.run_dir, None, run.step, run.history)
+            maybe_checkpoint(run)                   # 5.
+        final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
+            "base_model": cfg.model.name, "lora": cfg.lora.enabled, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "sft"})
+    finally:
+        run.progress.close()
+        run.logger.close()
+    return SFTResult(run.run_dir, final_dir, run.step, run.history)
+
+
+# --- the steps of the loop -------------------------------------------------------------------------
+
+
+def load_model(cfg: SFTConfig, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """(trainable model in train mode on ``device``, tokenizer): a LoRA adapter (fresh or
+    ``model.adapter``) or every weight, with gradient checkpointing when asked."""
     from tracegym.models import load
 
-    run_dir = Path(cfg.output_dir)
-    missing = [f for f in [*cfg.data.train_files, *cfg.data.eval_files] if not Path(f).is_file()]
-    if not cfg.data.train_files or missing:
-        raise FileNotFoundError(f"trajectory file(s) not found: {missing}" if missing else "data.train_files is empty")
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
-    dump_config(cfg, run_dir)
-    seed_everything(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    # -- model -----------------------------------------------------------------------------------
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
@@ -196,11 +240,11 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
         if cfg.lora.enabled:
             model.enable_input_require_grads()  # frozen embeddings: make checkpointed inputs carry grad
     model.to(device).train()
-    trainable, total = count_parameters(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, tokenizer
 
-    # -- data ------------------------------------------------------------------------------------
-    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+
+def load_data(cfg: SFTConfig, renderer: Any) -> tuple[SFTData, list[TrainingExample], list[TrainingExample]]:
+    """(the training files' data, the examples to train on, the held-out examples)."""
     d = cfg.data
     train = load_sft_examples(d.train_files, renderer, cfg.max_length, d.only_successful, d.min_reward, d.on_bad_line)
     examples = train.examples[: d.max_examples] if d.max_examples else train.examples
@@ -212,72 +256,105 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
     if d.eval_files:
         eval_examples = load_sft_examples(d.eval_files, renderer, cfg.max_length, d.only_successful, d.min_reward,
                                           d.on_bad_line).examples
+    return train, examples, eval_examples
+
+
+def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
+    """Check the files, load the model and the data, build the optimizer and schedule, restore the
+    latest checkpoint (``resume``) and log step 0."""
+    run_dir = Path(cfg.output_dir)
+    missing = [f for f in [*cfg.data.train_files, *cfg.data.eval_files] if not Path(f).is_file()]
+    if not cfg.data.train_files or missing:
+        raise FileNotFoundError(f"trajectory file(s) not found: {missing}" if missing else "data.train_files is empty")
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    dump_config(cfg, run_dir)
+    seed_everything(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(cfg, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
+    train, examples, eval_examples = load_data(cfg, renderer)
     steps_per_epoch = len(examples) // cfg.batch_size  # the last partial batch of an epoch is skipped
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    data_digest = _digest(examples)
-
-    # -- optimizer, schedule, resume -------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    step, epoch, position = 0, 0, 0  # position: batches of ``epoch`` already trained
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        restored = load_checkpoint(checkpoint, model, optimizer, scheduler)
-        cursor = restored.state["data"]
-        same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
-            data_digest, cfg.seed, cfg.batch_size, d.shuffle)
-        if not same:
-            raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
-        step, epoch, position = restored.step, cursor["epoch"], cursor["position"]
-        print(f"resumed from {checkpoint} (step {step}, epoch {epoch}, batch {position})")
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
-    if step == 0:
-        logger.log(0, {"params/trainable": trainable, "params/total": total,
-                       **{f"data/{k}": v for k, v in train.counts.items()}})
-    progress = ProgressBar(total_steps, "sft", enabled=cfg.logging.progress, completed=step)
+    run = SFTRun(cfg, run_dir, device, model, tokenizer, pad_id, train, examples, eval_examples, steps_per_epoch,
+                 total_steps, _digest(examples), optimizer, scheduler)
+    if resume:
+        restore(run)
+    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    if run.step == 0:
+        trainable, total = count_parameters(model)
+        run.logger.log(0, {"params/trainable": trainable, "params/total": total,
+                           **{f"data/{k}": v for k, v in train.counts.items()}})
+    run.progress = ProgressBar(total_steps, "sft", enabled=cfg.logging.progress, completed=run.step)
+    return run
 
-    # -- the loop --------------------------------------------------------------------------------
-    history: list[dict[str, Any]] = []
-    accumulation = cfg.batch_size // cfg.micro_batch_size
-    final_dir = None
-    try:
-        while step < total_steps:
-            if position == steps_per_epoch:  # epoch done: the next one has its own order
-                epoch, position = epoch + 1, 0
-            order = epoch_order(len(examples), cfg.seed, epoch, d.shuffle)
-            batch = [examples[i] for i in order[position * cfg.batch_size:(position + 1) * cfg.batch_size]]
-            position += 1
-            step += 1
 
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            out = accumulate_sft_gradients(model, batch, cfg.micro_batch_size, device, pad_id)
-            loss = out["loss"]
-            grad_norm = clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]  # the lr this step uses
-            optimizer.step()
-            scheduler.step()
-            elapsed = time.perf_counter() - started
+def restore(run: SFTRun) -> None:
+    """Weights, optimizer, schedule, step and data cursor from the latest checkpoint (if any); one
+    trained on other data, seed, batch size or shuffling is refused."""
+    cfg = run.cfg
+    checkpoint = latest_checkpoint(run.run_dir)
+    if checkpoint is None:
+        return
+    restored = load_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
+    cursor = restored.state["data"]
+    same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
+        run.data_digest, cfg.seed, cfg.batch_size, cfg.data.shuffle)
+    if not same:
+        raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
+    run.step, run.epoch, run.position = restored.step, cursor["epoch"], cursor["position"]
+    print(f"resumed from {checkpoint} (step {run.step}, epoch {run.epoch}, batch {run.position})")
 
-            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch,
-                       "loss_tokens": out["loss_tokens"], "tokens": out["tokens"], "micro_batches": accumulation,
-                       "tokens_per_s": out["tokens"] / elapsed, "step_time_s": elapsed, "rss_mb": process_rss_mb()}
-            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-                metrics.update(evaluate_loss(model, eval_examples, cfg.eval_batch_size, device, pad_id))
-            if step % cfg.logging.log_every == 0 or step == total_steps:
-                history.append(logger.log(step, metrics))
-            progress.update(1, info=f"loss {loss:.4f}", tokens=out["tokens"])
 
-            if stop_at_step is not None and step >= stop_at_step and step < total_steps:
-                return SFTResult(run_dir, None, step, history)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total_steps:
-                state = {"data": {"epoch": epoch, "position": position, "seed": cfg.seed, "shuffle": d.shuffle,
-                                  "batch_size": cfg.batch_size, "num_examples": len(examples), "digest": data_digest}}
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = save_final(model, tokenizer, run_dir, {"base_model": cfg.model.name, "lora": cfg.lora.enabled,
-                                                             "renderer": cfg.model.renderer or cfg.model.name, "recipe": "sft"})
-    finally:
-        progress.close()
-        logger.close()
-    return SFTResult(run_dir, final_dir, step, history)
+def next_batch(run: SFTRun) -> list[TrainingExample]:
+    """The next ``batch_size`` examples in the epoch's seeded order (a new epoch, a new order)."""
+    cfg = run.cfg
+    if run.position == run.steps_per_epoch:  # epoch done: the next one has its own order
+        run.epoch, run.position = run.epoch + 1, 0
+    order = epoch_order(len(run.examples), cfg.seed, run.epoch, cfg.data.shuffle)
+    batch = [run.examples[i] for i in order[run.position * cfg.batch_size:(run.position + 1) * cfg.batch_size]]
+    run.position += 1
+    return batch
+
+
+def train_step(run: SFTRun, batch: list[TrainingExample]) -> dict[str, Any]:
+    """One optimizer step on ``batch``: gradients accumulated over micro-batches, clipped, AdamW
+    step, schedule step; the row's training figures."""
+    cfg = run.cfg
+    started = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    out = accumulate_sft_gradients(run.model, batch, cfg.micro_batch_size, run.device, run.pad_id)
+    grad_norm = clip_gradients(run.model.parameters(), cfg.optim.max_grad_norm)
+    lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
+    run.optimizer.step()
+    run.scheduler.step()
+    elapsed = time.perf_counter() - started
+    return {"loss": out["loss"], "grad_norm": grad_norm, "lr": lr, "epoch": run.epoch,
+            "loss_tokens": out["loss_tokens"], "tokens": out["tokens"],
+            "micro_batches": cfg.batch_size // cfg.micro_batch_size,
+            "tokens_per_s": out["tokens"] / elapsed, "step_time_s": elapsed, "rss_mb": process_rss_mb()}
+
+
+def end_of_step(run: SFTRun, metrics: dict[str, Any]) -> None:
+    """The held-out loss when due, the logged row, the progress bar."""
+    cfg = run.cfg
+    if run.eval_examples and ((cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == run.total_steps):
+        metrics.update(evaluate_loss(run.model, run.eval_examples, cfg.eval_batch_size, run.device, run.pad_id))
+    if run.step % cfg.logging.log_every == 0 or run.step == run.total_steps:
+        run.history.append(run.logger.log(run.step, metrics))
+    run.progress.update(1, info=f"loss {metrics['loss']:.4f}", tokens=metrics["tokens"])
+
+
+def maybe_checkpoint(run: SFTRun) -> None:
+    """Every ``checkpoint.every`` steps and at the last: weights, optimizer, scheduler and the data
+    cursor (epoch, position) with what it is only valid for (seed, shuffling, batch size, data digest)."""
+    cfg = run.cfg
+    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == run.total_steps:
+        state = {"data": {"epoch": run.epoch, "position": run.position, "seed": cfg.seed, "shuffle": cfg.data.shuffle,
+                          "batch_size": cfg.batch_size, "num_examples": len(run.examples), "digest": run.data_digest}}
+        save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, run.scheduler, state,
+                        keep_last=cfg.checkpoint.keep_last)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -48,9 +49,11 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
-from tracegym.executors.base import batch_seed
+from tracegym.rl.executors.base import batch_seed
+from tracegym.rl.policy import make_renderer, make_sampler
+from tracegym.rl.tasks import tasks_at
 from tracegym.rollout import RolloutConfig, RolloutResult
-from tracegym.rollout_team import group_by_role, role_of, run_team_rollouts_sync, score_team_counterfactual
+from tracegym.rollout.team import group_by_role, role_of, run_team_rollouts_sync, score_team_counterfactual
 from tracegym.train.adapter_pool import AdapterPool
 from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
@@ -162,21 +165,84 @@ def sync_adapters(sampler: Any, model: torch.nn.Module, adapters: Sequence[str])
         sampler.update_weights(model, adapter=adapter)
 
 
+@dataclass
+class TeamRun:
+    """What the team loop holds from one step to the next (built by ``prepare_run``)."""
+
+    cfg: RLConfig
+    loss_cfg: PolicyLossConfig
+    run_dir: Path
+    pool: AdapterPool
+    model: Any  # the pool's model (every adapter on the one base), on the device
+    tokenizer: Any
+    adapters: dict[str, str]  # role -> adapter
+    trained: list[str]  # the adapters some trained role plays
+    renderer: Any
+    sampler: Any
+    pad_id: int
+    temperature: float  # the trainer scores under the distribution the engine sampled from (logits / T)
+    train_tasks: list[Any]
+    test_tasks: list[Any]
+    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
+    progress: ProgressBar = None  # type: ignore[assignment]
+    step: int = 0
+    cursor: int = 0  # task slots consumed so far
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def eval_seed(self) -> int:
+        return self.cfg.seed + 1_000_003
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
 def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = None) -> TrainResult:
     """Team RL as ``cfg`` says (see the module docstring); ``resume`` continues from the latest intact
     checkpoint; ``stop_at_step`` returns after that step without saving (a simulated kill)."""
+    run = prepare_run(cfg, resume)
+    final_dir = None
+    try:
+        while run.step < cfg.steps:
+            t_start = time.perf_counter()
+            tasks, rollout_cfg, result = collect_step(run)     # 1. every task's group_size team episodes
+            trajectories, credit_metrics = counterfactual_credit(run, tasks, rollout_cfg, result)  # 2. optional C3
+            groups = group_by_role(trajectories)                # one group per (task, role)
+            estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
+            metrics: dict[str, Any] = {**team_metrics(groups, result), **credit_metrics}
+            metrics["time/rollout_s"] = time.perf_counter() - t_start
+            metrics.update({f"advantage/{k}": v for k, v in estimated.metrics.items()})
+            weights = estimated.weights or [[[1.0] * len(a) for a in group] for group in estimated.advantages]
+            t_train = time.perf_counter()
+            for adapter in run.trained:                         # 3. each trained adapter, its own optimizer
+                metrics.update(update_adapter(run, adapter, groups, estimated.advantages, weights))
+            sync_adapters(run.sampler, run.model, run.trained)
+            run.step += 1
+            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
+                            "rss_mb": process_rss_mb()})
+            end_of_step(run, metrics, result)                   # 4. evaluate, log
+            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+                return TrainResult(run.run_dir, None, run.step, run.history)
+            maybe_checkpoint(run)
+        final_dir = save_team_final(run.pool, run.tokenizer, run.run_dir, {
+            "base_model": cfg.model.name, "lora": True, "renderer": cfg.model.renderer or cfg.model.name,
+            "recipe": "rl", "env": cfg.env.name, "roles": run.adapters,
+            "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
+    finally:
+        run.progress.close()
+        run.logger.close()
+    return TrainResult(run.run_dir, final_dir, run.step, run.history)
+
+
+# --- the steps of the loop -------------------------------------------------------------------------
+
+
+def load_team_tasks(cfg: RLConfig) -> tuple[list[Any], list[Any]]:
+    """(train tasks, test tasks) of the team env, after checking that it is one and that the config's
+    roles are its roles (a bad env name/option fails before the model loads)."""
     from tracegym.envs import make
     from tracegym.envs.team import TeamEnv
-    from tracegym.models import load
-    from tracegym.recipes.rl import make_renderer, make_sampler, tasks_at
 
-    run_dir = Path(cfg.output_dir)
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
-    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
-    problems = estimator_problems(cfg.advantage.estimator, cfg.advantage.options)
-    if problems:
-        raise ValueError("; ".join(problems))
     probe = make(cfg.env.name, **cfg.env.options)
     if not isinstance(probe, TeamEnv):
         raise ValueError(f"roles: env {cfg.env.name!r} is not a team env (a TeamEnv with roles); drop roles: to train "
@@ -188,6 +254,21 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
     train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
     test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
     probe.close()
+    return train_tasks, test_tasks
+
+
+def prepare_run(cfg: RLConfig, resume: bool) -> TeamRun:
+    """Check the config, load tasks, the base and its adapter pool, restore a checkpoint, log step 0."""
+    from tracegym.models import load
+
+    run_dir = Path(cfg.output_dir)
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
+    problems = estimator_problems(cfg.advantage.estimator, cfg.advantage.options)
+    if problems:
+        raise ValueError("; ".join(problems))
+    train_tasks, test_tasks = load_team_tasks(cfg)
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,107 +283,113 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
     renderer = make_renderer(cfg, tokenizer)
     sampler = make_sampler(cfg, model, tokenizer, renderer)
     sampler.update_weights(model)  # vllm: every adapter sent as its first version (hf: nothing to copy)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-    step, cursor = 0, 0
+    run = TeamRun(cfg, loss_cfg, run_dir, pool, model, tokenizer, adapters, trained, renderer, sampler,
+                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                  temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+                  train_tasks=train_tasks, test_tasks=test_tasks)
     restored = load_latest_intact(run_dir) if resume else None
     if restored is not None:
         saved = restored.state.get("tasks", {})
         if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
             raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
-        step, cursor = restore_pool(restored, pool)
+        run.step, run.cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                           config=cfg.model_dump(mode="json"), resume_step=step if resume else None)
-    history: list[dict[str, Any]] = []
-    eval_seed = cfg.seed + 1_000_003
-    if step == 0:
-        _, total = count_parameters(model)
-        memory = pool.memory_report()
-        row: dict[str, Any] = {"params/total": total, **{f"memory/{k}": v for k, v in memory.items()},
-                               "params/adapters": float(len(pool.names))}
-        if test_tasks and cfg.eval.at_start:
-            row.update(evaluate_team(cfg, sampler, renderer, test_tasks, adapters, eval_seed))
-        history.append(logger.log(0, row))
-    progress = ProgressBar(cfg.steps, "team rl", enabled=cfg.logging.progress, completed=step)
+    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    if run.step == 0:
+        log_start(run)
+    run.progress = ProgressBar(cfg.steps, "team rl", enabled=cfg.logging.progress, completed=run.step)
     if cfg.save_rollouts:
         (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-    final_dir = None
+    return run
+
+
+def log_start(run: TeamRun) -> None:
+    """Row 0: parameter count, the adapter pool's memory, and optionally an evaluation."""
+    cfg = run.cfg
+    _, total = count_parameters(run.model)
+    memory = run.pool.memory_report()
+    row: dict[str, Any] = {"params/total": total, **{f"memory/{k}": v for k, v in memory.items()},
+                           "params/adapters": float(len(run.pool.names))}
+    if run.test_tasks and cfg.eval.at_start:
+        row.update(evaluate_team(cfg, run.sampler, run.renderer, run.test_tasks, run.adapters, run.eval_seed))
+    run.history.append(run.logger.log(0, row))
+
+
+def collect_step(run: TeamRun) -> tuple[list[Any], RolloutConfig, RolloutResult]:
+    """The step's tasks (seeded order, resumable cursor) and their ``group_size`` team episodes each;
+    all roles' turns share engine batches, each row with its role's adapter."""
+    cfg = run.cfg
+    tasks = tasks_at(run.train_tasks, cfg.tasks.seed, run.cursor, cfg.tasks_per_step)
+    run.cursor += len(tasks)
+    rollout_cfg = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size,
+                                seed=batch_seed(cfg.seed, run.step, 0))
+    path = run.run_dir / "rollouts" / f"step_{run.step + 1:06d}.jsonl"
+    writer = TrajectoryWriter(path) if cfg.save_rollouts else None
     try:
-        while step < cfg.steps:
-            t_start = time.perf_counter()
-            # 1. collect: every task's group_size team episodes; all roles' turns share engine batches
-            tasks = tasks_at(train_tasks, cfg.tasks.seed, cursor, cfg.tasks_per_step)
-            cursor += len(tasks)
-            rollout_cfg = RolloutConfig(**cfg.rollout.settings(), samples_per_task=cfg.group_size,
-                                        seed=batch_seed(cfg.seed, step, 0))
-            writer = TrajectoryWriter(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl") if cfg.save_rollouts else None
-            try:
-                result = run_team_rollouts_sync(cfg.env.name, tasks, sampler, renderer, rollout_cfg, adapters=adapters,
-                                                env_options=cfg.env.options, writer=writer, salt=f"step{step}")
-            finally:
-                if writer is not None:
-                    writer.close()
-            # 2. optional per-role counterfactual credit (C3: replace the acting role's message, re-run
-            #    the rest), then advantages: one group per (task, role)
-            trajectories, credit_metrics = result.trajectories, {}
-            if cfg.advantage.intrinsic == "mc_continuation":
-                trajectories, c3 = asyncio.run(score_team_counterfactual(
-                    cfg.env.name, trajectories, tasks, sampler, renderer, rollout_cfg, adapters=adapters,
-                    env_options=cfg.env.options, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
-                    decision_turns=cfg.advantage.mc_decision_turns, salt=f"step{step}"))
-                credit_metrics = c3.metrics()
-            groups = group_by_role(trajectories)
-            estimated = estimate(cfg.advantage.estimator, groups, cfg.advantage.options)
-            metrics: dict[str, Any] = {**team_metrics(groups, result), **credit_metrics}
-            metrics["time/rollout_s"] = time.perf_counter() - t_start
-            metrics.update({f"advantage/{k}": v for k, v in estimated.metrics.items()})
-            weights = estimated.weights or [[[1.0] * len(a) for a in group] for group in estimated.advantages]
-
-            # 3. update each trained adapter on its roles' turns, with its own optimizer
-            t_train = time.perf_counter()
-            for adapter in trained:
-                mine = [i for i, g in enumerate(groups) if adapters.get(role_of(g.trajectories[0]) or "") == adapter
-                        and cfg.roles[role_of(g.trajectories[0]) or ""].train]
-                skip = [cfg.skip_uniform_groups and not has_signal(estimated.advantages[i]) for i in mine]
-                data = examples_from_groups([groups[i] for i in mine], renderer, [estimated.advantages[i] for i in mine],
-                                            weights=[weights[i] for i in mine], max_length=cfg.max_length, skip_groups=skip)
-                metrics[f"adapter/{adapter}/examples"] = float(len(data.examples))
-                if not data.examples:
-                    continue
-                with pool.training(adapter):
-                    batch = make_batch(data.examples, pad_token_id=pad_id, group_ids=data.group_index)
-                    batch = score_batch(model, None, batch, loss_cfg, micro_batch_size=cfg.micro_batch_size,
-                                        temperature=temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
-                    update = policy_update(model, batch, loss_cfg, pool.optimizers[adapter], pool.schedulers[adapter],
-                                           epochs=cfg.ppo_epochs, micro_batch_size=cfg.micro_batch_size,
-                                           temperature=temperature, max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                                           train_mode=cfg.model.gradient_checkpointing)
-                metrics.update({f"adapter/{adapter}/{k}": v for k, v in update.items()})
-            sync_adapters(sampler, model, trained)
-            step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
-
-            # 4. evaluate, log, checkpoint
-            if test_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps):
-                metrics.update(evaluate_team(cfg, sampler, renderer, test_tasks, adapters, eval_seed))
-            if step % cfg.logging.log_every == 0 or step == cfg.steps:
-                history.append(logger.log(step, metrics))
-            progress.update(1, info=f"team reward {metrics['reward/mean']:.3f}",
-                            tokens=int(result.stats.generated_tokens))
-            if stop_at_step is not None and step >= stop_at_step and step < cfg.steps:
-                return TrainResult(run_dir, None, step, history)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-                state = {"tasks": {"seed": cfg.tasks.seed, "train": len(train_tasks)}, "task_cursor": cursor,
-                         "pool": pool.state_dict(), "roles": adapters}
-                save_checkpoint(run_dir, step, model, None, None, state, keep_last=cfg.checkpoint.keep_last)
-        final_dir = save_team_final(pool, tokenizer, run_dir, {
-            "base_model": cfg.model.name, "lora": True, "renderer": cfg.model.renderer or cfg.model.name,
-            "recipe": "rl", "env": cfg.env.name, "roles": adapters,
-            "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
+        result = run_team_rollouts_sync(cfg.env.name, tasks, run.sampler, run.renderer, rollout_cfg,
+                                        adapters=run.adapters, env_options=cfg.env.options, writer=writer,
+                                        salt=f"step{run.step}")
     finally:
-        progress.close()
-        logger.close()
-    return TrainResult(run_dir, final_dir, step, history)
+        if writer is not None:
+            writer.close()
+    return tasks, rollout_cfg, result
+
+
+def counterfactual_credit(run: TeamRun, tasks: list[Any], rollout_cfg: RolloutConfig,
+                          result: RolloutResult) -> tuple[list[Trajectory], dict[str, float]]:
+    """With ``advantage.intrinsic: mc_continuation`` (C3), the episodes with per-role counterfactual
+    credit (replace the acting role's message, re-run the rest) and its metrics; else as sampled."""
+    cfg = run.cfg
+    if cfg.advantage.intrinsic != "mc_continuation":
+        return result.trajectories, {}
+    trajectories, c3 = asyncio.run(score_team_counterfactual(
+        cfg.env.name, result.trajectories, tasks, run.sampler, run.renderer, rollout_cfg, adapters=run.adapters,
+        env_options=cfg.env.options, k=cfg.advantage.mc_k, m=cfg.advantage.mc_m,
+        decision_turns=cfg.advantage.mc_decision_turns, salt=f"step{run.step}"))
+    return trajectories, c3.metrics()
+
+
+def update_adapter(run: TeamRun, adapter: str, groups: list[TrajectoryGroup], advantages: list[Any],
+                   weights: list[Any]) -> dict[str, Any]:
+    """One policy update of ``adapter`` on the groups of the trained roles it plays, with its own
+    optimizer and schedule (only this adapter has ``requires_grad``); ``adapter/<name>/`` metrics."""
+    cfg = run.cfg
+    mine = [i for i, g in enumerate(groups) if run.adapters.get(role_of(g.trajectories[0]) or "") == adapter
+            and cfg.roles[role_of(g.trajectories[0]) or ""].train]
+    skip = [cfg.skip_uniform_groups and not has_signal(advantages[i]) for i in mine]
+    data = examples_from_groups([groups[i] for i in mine], run.renderer, [advantages[i] for i in mine],
+                                weights=[weights[i] for i in mine], max_length=cfg.max_length, skip_groups=skip)
+    metrics: dict[str, Any] = {f"adapter/{adapter}/examples": float(len(data.examples))}
+    if not data.examples:
+        return metrics
+    with run.pool.training(adapter):
+        batch = make_batch(data.examples, pad_token_id=run.pad_id, group_ids=data.group_index)
+        batch = score_batch(run.model, None, batch, run.loss_cfg, micro_batch_size=cfg.micro_batch_size,
+                            temperature=run.temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p)
+        update = policy_update(run.model, batch, run.loss_cfg, run.pool.optimizers[adapter],
+                               run.pool.schedulers[adapter], epochs=cfg.ppo_epochs, micro_batch_size=cfg.micro_batch_size,
+                               temperature=run.temperature, max_grad_norm=cfg.optim.max_grad_norm,
+                               micro_batch_tokens=cfg.micro_batch_tokens, train_mode=cfg.model.gradient_checkpointing)
+    metrics.update({f"adapter/{adapter}/{k}": v for k, v in update.items()})
+    return metrics
+
+
+def end_of_step(run: TeamRun, metrics: dict[str, Any], result: RolloutResult) -> None:
+    """Evaluate the team when due, log the row and move the progress bar."""
+    cfg = run.cfg
+    if run.test_tasks and ((cfg.eval.every and run.step % cfg.eval.every == 0) or run.step == cfg.steps):
+        metrics.update(evaluate_team(cfg, run.sampler, run.renderer, run.test_tasks, run.adapters, run.eval_seed))
+    if run.step % cfg.logging.log_every == 0 or run.step == cfg.steps:
+        run.history.append(run.logger.log(run.step, metrics))
+    run.progress.update(1, info=f"team reward {metrics['reward/mean']:.3f}", tokens=int(result.stats.generated_tokens))
+
+
+def maybe_checkpoint(run: TeamRun) -> None:
+    """Every ``checkpoint.every`` steps and at the last: every adapter's weights, optimizer and
+    schedule (``AdapterPool.state_dict``), the task cursor and the role -> adapter map."""
+    cfg = run.cfg
+    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
+        state = {"tasks": {"seed": cfg.tasks.seed, "train": len(run.train_tasks)}, "task_cursor": run.cursor,
+                 "pool": run.pool.state_dict(), "roles": run.adapters}
+        save_checkpoint(run.run_dir, run.step, run.model, None, None, state, keep_last=cfg.checkpoint.keep_last)

@@ -132,8 +132,8 @@ def _plain_cache_layers(cache: Any) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
-def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0,
-                    share_prefix: bool = True) -> Tensor:
+def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0,
+                   share_prefix: bool = True) -> Tensor:
     """Logits of positions ``first_column .. L-1``: [B, L - first_column, V].
 
     ``logits_to_keep`` makes the model apply its output layer to those positions only: the hidden
@@ -173,7 +173,7 @@ def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first
 
 def _forward_after_prefix(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
                           prefix: int) -> Tensor | None:
-    """The shared-prefix forward of :func:`_forward_logits` (None when the model's cache is not a
+    """The shared-prefix forward of :func:`forward_logits` (None when the model's cache is not a
     plain full-attention one, whose rows can be repeated and extended exactly)."""
     from transformers import DynamicCache
 
@@ -200,7 +200,7 @@ def _shifted_targets(input_ids: Tensor, first_column: int = 0) -> Tensor:
     return torch.cat([input_ids[:, first_column + 1 :], torch.zeros_like(input_ids[:, :1])], dim=1)
 
 
-def _pad_front(values: Tensor, first_column: int) -> Tensor:
+def pad_front(values: Tensor, first_column: int) -> Tensor:
     """[B, L-1-first_column] -> [B, L-1] with zeros in front (columns that were not computed)."""
     if first_column == 0:
         return values
@@ -215,11 +215,11 @@ def token_logprobs(
 
     Values at padded positions are meaningless; mask them with ``Batch.loss_mask``. Columns before
     ``first_column`` are not computed and hold 0 (pass ``Batch.first_loss_column``). The rows'
-    common prefix runs once (``share_prefix``, see ``_forward_logits``).
+    common prefix runs once (``share_prefix``, see ``forward_logits``).
     """
-    logits = _forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
+    logits = forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
     logp, _ = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=False)
-    return _pad_front(logp[:, :-1], first_column)
+    return pad_front(logp[:, :-1], first_column)
 
 
 def token_logprobs_and_entropy(
@@ -228,9 +228,14 @@ def token_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass;
     columns before ``first_column`` hold 0."""
-    logits = _forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
+    logits = forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
     logp, entropy = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=True)
-    return _pad_front(logp[:, :-1], first_column), _pad_front(entropy[:, :-1], first_column)
+    return pad_front(logp[:, :-1], first_column), pad_front(entropy[:, :-1], first_column)
 
 
-__all__ = ["MIN_SHARED_PREFIX", "shared_prefix_length", "logprobs_from_logits", "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
+# the names these had while only this module used them (kept for callers of the old names)
+_forward_logits = forward_logits
+_pad_front = pad_front
+
+__all__ = ["MIN_SHARED_PREFIX", "forward_logits", "logprobs_from_logits", "pad_front", "shared_prefix_length",
+           "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]
