@@ -119,7 +119,7 @@ def token_logprobs(team: Any, reference: str, prompt: Sequence[int], tokens: Seq
 
     import torch
 
-    from tracegym.engines.hf import sampling_logprobs
+    from tracegym.engines.sampling import sampling_logprobs
 
     ids = torch.tensor([list(prompt) + list(tokens)], device=device)
     if reference == BASE:

@@ -43,7 +43,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: this is a GPU check")
         return 2
-    from tracegym.engines.hf import sampling_logprobs
+    from tracegym.engines.sampling import sampling_logprobs
     from tracegym.engines import make_engine
     from tracegym.envs import make
     from tracegym.models import build_smollm2_cache, load

@@ -76,6 +76,8 @@ def main() -> None:
                         help="the SFT evaluation's folder (default: OUT/sft_test<N>x<samples>)")
     parser.add_argument("--wait-sft", action="store_true",
                         help="another process evaluates the SFT start into --sft-dir: train first, then wait for it")
+    parser.add_argument("--reuse-trained", action="store_true",
+                        help="a seed whose RL run already finished (train_rl/final) is evaluated, not trained again")
     parser.add_argument("--label", default="", help="a name for these settings in the results")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="demo RL settings other than the defaults, e.g. rl_steps=10 rl_tasks_per_step=8")
@@ -85,7 +87,7 @@ def main() -> None:
     from tracegym.envs import make
     from tracegym.models import load_tokenizer
     from tracegym.recipes.demo import DemoConfig, compare_summaries, demo_rl_lr, evaluate_stage, rl_stage_config
-    from tracegym.recipes.rl import train_rl
+    from tracegym.recipes.rl import RLResult, train_rl
     from tracegym.render import get_renderer
 
     saved = json.loads((args.demo_dir / "demo_config.json").read_text(encoding="utf-8"))
@@ -117,10 +119,16 @@ def main() -> None:
         # every seed trains on the same train tasks and is judged on the same test tasks
         cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"seed": demo.seed}),
                                      "logging": cfg.logging.model_copy(update={"tensorboard": False})})
-        shutil.rmtree(run / "train_rl", ignore_errors=True)
-        started = time.perf_counter()
-        trained = train_rl(cfg)
-        rl_minutes = (time.perf_counter() - started) / 60
+        finished = run / "train_rl" / "final" / "adapter_config.json"
+        if args.reuse_trained and finished.is_file():  # trained before, evaluation not finished: evaluate only
+            history = [json.loads(line) for line in (run / "train_rl" / "metrics.jsonl").read_text().splitlines()]
+            trained = RLResult(run / "train_rl", finished.parent, history[-1]["step"], history)
+            rl_minutes = sum(row.get("time/step_s", 0.0) for row in history) / 60
+        else:
+            shutil.rmtree(run / "train_rl", ignore_errors=True)
+            started = time.perf_counter()
+            trained = train_rl(cfg)
+            rl_minutes = (time.perf_counter() - started) / 60
         rows = trained.history[1:]
         for row in rows:
             print(f"seed {seed} step {row['step']:3d}  reward {row['reward/mean']:.3f}  calls part "

@@ -45,7 +45,7 @@ from tracegym.envs import make
 from tracegym.models import load
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, run_rollouts_sync
-from tracegym.rollout_team import run_team_rollouts_sync, with_adapter
+from tracegym.rollout.team import run_team_rollouts_sync, with_adapter
 from tracegym.recipes.team import episode_heads
 from tracegym.train.adapter_pool import AdapterPool
 

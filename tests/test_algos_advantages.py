@@ -403,7 +403,7 @@ def test_turn_grpo_gives_identical_episodes_exactly_zero():
 # estimators that need scores of a model-aware step before they run on a group (skipped below):
 # info_gain reads Turn.metrics["info_gain"] (tracegym.train.info_gain.score_info_gain) and adds an intrinsic
 # term exactly where the outcome rewards are equal; mc_continuation reads Turn.metrics["mc_advantage"]
-# (tracegym.rollout_branches.score_mc_continuation).
+# (tracegym.rollout.branches.score_mc_continuation).
 NEEDS_SCORES = {"info_gain", "mc_continuation"}
 
 

@@ -19,9 +19,10 @@ import torch
 from tracegym.config import ConfigError, RLConfig, load_config
 from tracegym.envs import register, unregister
 from tracegym.envs.base import Env, Task
-from tracegym.executors.curriculum import CurriculumStats, PassRateCurriculum, curriculum_rng
-from tracegym.executors.factory import make_executor
-from tracegym.recipes.rl import task_order, train_rl
+from tracegym.rl.executors.curriculum import CurriculumStats, PassRateCurriculum, curriculum_rng
+from tracegym.rl.executors.factory import make_executor
+from tracegym.recipes.rl import train_rl
+from tracegym.rl.tasks import task_order
 from tracegym.train.checkpoint import list_checkpoints
 from tracegym.train.logging import read_metrics
 from tracegym.types import Message, StepResult

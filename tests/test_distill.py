@@ -82,7 +82,9 @@ def _pieces(cfg: DistillConfig, teacher: torch.nn.Module, student_logprobs: str)
     """One step's pieces as ``train_distill`` calls them: sample, build the batch, score with the teacher."""
     from tracegym.batch import examples_from_groups, make_batch
     from tracegym.envs import make
-    from tracegym.recipes.rl import collect_groups, load_policy, make_sampler, tasks_at
+    from tracegym.rl.collect import collect_groups
+    from tracegym.rl.policy import load_policy, make_sampler
+    from tracegym.rl.tasks import tasks_at
     from tracegym.render import get_renderer
 
     loss_cfg = distill_recipe.policy_loss_config(cfg)

@@ -396,7 +396,9 @@ def sampled(tmp_path_factory):
     """One step's student, batch and loss config, as ``train_distill`` builds them (tiny-random, LoRA)."""
     from tracegym.batch import examples_from_groups, make_batch
     from tracegym.envs import make
-    from tracegym.recipes.rl import collect_groups, load_policy, make_sampler, tasks_at
+    from tracegym.rl.collect import collect_groups
+    from tracegym.rl.policy import load_policy, make_sampler
+    from tracegym.rl.tasks import tasks_at
     from tracegym.render import get_renderer
 
     cfg = load_config(DistillConfig, data=_data(tmp_path_factory.mktemp("d") / "run", {"model": "tiny-random"}))

@@ -412,7 +412,7 @@ def test_a_prompt_sharing_part_of_a_kept_turn_takes_that_part(tiny):
 
 
 def test_inverse_cdf_sampling_draws_each_token_with_its_probability():
-    from tracegym.engines.hf import sample_tokens
+    from tracegym.engines.sampling import sample_tokens
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.25, 0.0, 0.0, 0.0, 0.0, 0.75]])
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tracegym.config import RLConfig, load_config
-from tracegym.executors.base import VERSION_KEY
+from tracegym.rl.executors.base import VERSION_KEY
 from tracegym.plugins import load_plugins
 from tracegym.recipes.rl import train_rl
 from tracegym.train.logging import read_metrics

@@ -512,7 +512,8 @@ class _GullibleChat:
 
 
 def test_rl_rollouts_carry_injections_penalty_and_metrics(tokenizer):
-    from tracegym.recipes.rl import collect_groups, evaluate_policy, make_renderer, rollout_metrics
+    from tracegym.rl.collect import collect_groups, evaluate_policy, rollout_metrics
+    from tracegym.rl.policy import make_renderer
 
     cfg = load_config(RLConfig, data={
         "model": {"name": "tiny-random"}, "group_size": 2,

@@ -1,4 +1,4 @@
-"""Monte-Carlo continuation advantages: the branching step (``tracegym.rollout_branches``) on a toy env
+"""Monte-Carlo continuation advantages: the branching step (``tracegym.rollout.branches``) on a toy env
 with scripted engines whose samples the test controls, and the ``mc_continuation`` estimator.
 
 Toy env ``TwoStep`` (2 turns): turn 0's action "good" puts the episode in the good state, anything
@@ -19,7 +19,7 @@ from test_rollout import EOT, ByteRenderer
 from tracegym.algos import estimate
 from tracegym.envs.base import Env, Task
 from tracegym.rollout import RolloutConfig, run_rollouts_sync
-from tracegym.rollout_branches import (
+from tracegym.rollout.branches import (
     BranchingUnsupported,
     ReplayMismatch,
     decision_turn_indices,

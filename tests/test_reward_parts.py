@@ -20,7 +20,7 @@ from tracegym.envs.base import Env
 from tracegym.envs.check import check_env
 from tracegym.envs.episode import Action, Observation, TokenData, play_episode, run_episode
 from tracegym.envs.rewards import RewardParts
-from tracegym.rollout_branches import BranchEnv, recorded_action
+from tracegym.rollout.branches import BranchEnv, recorded_action
 from tracegym.types import Message, StepResult, ToolCall, Trajectory
 
 ONE_TOKEN = TokenData(prompt_ids=(0,), completion_ids=(1,))  # token data makes the loop record Turns

@@ -17,11 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tracegym.recipes.rl as rl_recipe
+import tracegym.rl.collect as rl_collect
+import tracegym.rl.policy as rl_policy
+import tracegym.rl.scoring as rl_scoring
+import tracegym.rl.tasks as rl_tasks
 from tracegym.config import RLConfig, load_config
 from tracegym.envs import register, unregister
 from tracegym.envs.base import Env, Task
-from tracegym.recipes.rl import tasks_for_step, train_rl
+from tracegym.recipes.rl import train_rl
+from tracegym.rl.tasks import tasks_for_step
 from tracegym.train.checkpoint import list_checkpoints
 from tracegym.train.logging import read_metrics
 from tracegym.types import Message, SamplingParams, StepResult
@@ -186,7 +190,7 @@ def test_kl_reference_after_sft_is_the_sft_model(tmp_path, penalty, key):
     bare base: the first step's KL is 0 although the adapter changes the outputs."""
     from tracegym.config import LoraConfig
     from tracegym.models import load
-    from tracegym.recipes.rl import load_policy
+    from tracegym.rl.policy import load_policy
     from tracegym.algos.config import PolicyLossConfig
     from tracegym.train.lora import prepare_model, save_weights
 
@@ -230,12 +234,12 @@ def _one_step(cfg: RLConfig) -> dict[str, Any]:
     from tracegym.train.policy_update import policy_update, score_batch
 
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
-    model, tokenizer, reference = rl_recipe.load_policy(cfg, loss_cfg, torch.device("cpu"))
+    model, tokenizer, reference = rl_policy.load_policy(cfg, loss_cfg, torch.device("cpu"))
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
-    sampler = rl_recipe.make_sampler(cfg, model, tokenizer, renderer)
+    sampler = rl_policy.make_sampler(cfg, model, tokenizer, renderer)
     before = _snapshot(model)
-    tasks = rl_recipe.tasks_for_step(make(cfg.env.name, **cfg.env.options).tasks("train", cfg.tasks.train), cfg.tasks_per_step, 0, 0)
-    groups, result = rl_recipe.collect_groups(sampler, cfg, tasks, renderer, seed=0)
+    tasks = rl_tasks.tasks_for_step(make(cfg.env.name, **cfg.env.options).tasks("train", cfg.tasks.train), cfg.tasks_per_step, 0, 0)
+    groups, result = rl_collect.collect_groups(sampler, cfg, tasks, renderer, seed=0)
     advantages = compute_advantages(cfg.advantage.estimator, groups, cfg.advantage.options)
     data = examples_from_groups(groups, renderer, advantages, skip_groups=[not has_signal(a) for a in advantages])
     batch = score_batch(model, reference, make_batch(data.examples, pad_token_id=tokenizer.eos_token_id), loss_cfg,
@@ -282,8 +286,8 @@ def test_engine_serves_the_updated_weights(tmp_path, tokenizer, lora):
     cfg = _config(tmp_path / "run", f"lora.enabled={str(lora).lower()}", "optim.lr=1e-2")
     from tracegym.algos.config import PolicyLossConfig
 
-    model, tok, _ = rl_recipe.load_policy(cfg, PolicyLossConfig(), torch.device("cpu"))
-    baseline = rl_recipe.make_sampler(cfg, model, tok, renderer).generate([prompt], greedy)[0][0]
+    model, tok, _ = rl_policy.load_policy(cfg, PolicyLossConfig(), torch.device("cpu"))
+    baseline = rl_policy.make_sampler(cfg, model, tok, renderer).generate([prompt], greedy)[0][0]
     step = _one_step(cfg)  # same seed and config: the same initial weights, then one update
     after = step["sampler"].generate([prompt], greedy)[0][0]
     changed = baseline.token_ids != after.token_ids or max(
@@ -303,9 +307,9 @@ def test_kl_in_reward_lands_on_the_last_turn():
 
     turns = tuple(Turn(prompt_ids=(1,), completion_ids=(2,), message=Message(role="assistant"), reward=r) for r in (0.0, 1.0))
     traj = Trajectory(env="e", task_id="t", messages=(), turns=turns, reward=1.0)
-    shifted = rl_recipe.with_reward_offset(traj, -0.25)
+    shifted = rl_scoring.with_reward_offset(traj, -0.25)
     assert [t.reward for t in shifted.turns] == [0.0, 0.75] and shifted.reward == 0.75
-    assert rl_recipe.with_reward_offset(traj, 0.0) is traj
+    assert rl_scoring.with_reward_offset(traj, 0.0) is traj
 
 
 def test_kl_in_reward_is_beta_times_the_summed_kl_of_every_row_of_the_episode(monkeypatch):
@@ -326,11 +330,11 @@ def test_kl_in_reward_is_beta_times_the_summed_kl_of_every_row_of_the_episode(mo
     whole = Trajectory(env="e", task_id="t", sample_index=1, messages=(), reward=0.0, turns=(turn((1, 2), (3, 5)),))
 
     renderer = SimpleNamespace(build_examples=build_examples)  # all kl_in_reward needs of a renderer
-    monkeypatch.setattr(rl_recipe, "batch_logprobs", lambda model, batch, *a, **k: torch.zeros(batch.loss_mask.shape))
-    monkeypatch.setattr(rl_recipe, "reference_logprobs", lambda model, ref, batch, *a, **k: torch.full(batch.loss_mask.shape, -0.5))
+    monkeypatch.setattr(rl_scoring, "batch_logprobs", lambda model, batch, *a, **k: torch.zeros(batch.loss_mask.shape))
+    monkeypatch.setattr(rl_scoring, "reference_logprobs", lambda model, ref, batch, *a, **k: torch.full(batch.loss_mask.shape, -0.5))
     cfg = PolicyLossConfig(kl_coef=0.2, kl_estimator="k1", kl_penalty="reward")
     groups = [TrajectoryGroup(env="e", task_id="t", trajectories=(split, whole))]
-    out, mean_penalty = rl_recipe.kl_in_reward(groups, None, None, renderer, cfg, pad_token_id=0, micro_batch_size=1,
+    out, mean_penalty = rl_scoring.kl_in_reward(groups, None, None, renderer, cfg, pad_token_id=0, micro_batch_size=1,
                                                temperature=1.0)
     a, b = out[0].trajectories
     assert a.reward == pytest.approx(1.0 - 0.5) and [t.reward for t in a.turns] == [0.0, pytest.approx(0.5)]

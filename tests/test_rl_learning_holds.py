@@ -14,7 +14,8 @@ import torch
 from tracegym.algos import estimate
 from tracegym.batch import examples_from_groups
 from tracegym.config import GuidanceConfig, RLConfig, load_config
-from tracegym.recipes.rl import drop_overlong, train_rl
+from tracegym.recipes.rl import train_rl
+from tracegym.rl.collect import drop_overlong
 from tracegym.train.guidance import GUIDANCE_KEY, add_guidance, needs_guidance, shaping_weight
 from tracegym.train.logging import read_metrics
 from tracegym.types import Message, Trajectory, TrajectoryGroup, Turn

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from tracegym.executors import StalenessGate
+from tracegym.rl.executors import StalenessGate
 
 
 def _start(gate: StalenessGate, n: int) -> None:

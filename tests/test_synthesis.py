@@ -1,4 +1,4 @@
-"""Teacher synthesis (``tracegym/synthesis.py``, ``tracegym synthesize``): the filters on hand-made and
+"""Teacher synthesis (``tracegym/recipes/synthesize.py``, ``tracegym/data/filters.py``, ``tracegym synthesize``): the filters on hand-made and
 real trajectories, re-rendering for the student's template, the command with the scripted expert and
 with ``tracegym serve`` (tiny-random) on loopback as the teacher, the API key, and argument errors."""
 
@@ -14,7 +14,7 @@ import yaml
 from tracegym.environments.calculator import CalculatorEnv
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig, run_rollouts
-from tracegym.synthesis import (
+from tracegym.data.filters import (
     FILTERS,
     apply_filters,
     dedupe_filter,
@@ -24,10 +24,9 @@ from tracegym.synthesis import (
     recovered_errors,
     recovery_filter,
     register_filter,
-    retokenize,
     success_filter,
-    synthesize,
 )
+from tracegym.recipes.synthesize import retokenize, synthesize
 from tracegym.types import Message, ToolCall, Trajectory, Turn
 
 KEY = "sk-synth-test-5be81c0a"
@@ -394,7 +393,7 @@ def test_a_plugin_module_can_add_a_filter_for_the_command(tmp_path, capsys):
 
     plugin = tmp_path / "my_filters.py"
     plugin.write_text(
-        "from tracegym.synthesis import register_filter\n\n"
+        "from tracegym.data.filters import register_filter\n\n"
         "def first_sample(trajectories, *, keep: int = 0):\n"
         "    return [t for t in trajectories if t.sample_index == keep]\n\n"
         "register_filter('first_sample', first_sample)\n"

@@ -22,10 +22,10 @@ from tracegym.envs import register, unregister
 from tracegym.envs.base import Task
 from tracegym.envs.episode import message_policy
 from tracegym.envs.team import TeamEnv, TeamStep, play_team_episode
-from tracegym.recipes.rl import train_rl
+from tracegym.commands.rl import train_any_rl
 from tracegym.render import get_renderer
 from tracegym.rollout import RolloutConfig
-from tracegym.rollout_team import group_by_role, run_team_rollouts_sync
+from tracegym.rollout.team import group_by_role, run_team_rollouts_sync
 from tracegym.train.logging import read_metrics
 from tracegym.types import Message
 
@@ -150,14 +150,14 @@ def test_roles_sample_in_the_same_engine_calls_with_their_adapters(tmp_path, mon
         return original(self, prompts, params, adapters=adapters)
 
     monkeypatch.setattr(HFEngine, "generate", spy)
-    train_rl(_config(tmp_path / "run", "steps=1"))
+    train_any_rl(_config(tmp_path / "run", "steps=1"))
     assert calls and all(c is not None for c in calls)
     assert any(set(c) == {"alice", "bob"} for c in calls), calls  # mixed-role batches happened
     assert max(len(c) for c in calls) > 4
 
 
 def test_team_run_trains_each_adapter_and_writes_per_role_folders(tmp_path):
-    result = train_rl(_config(tmp_path / "run", roles={"alice": {}, "bob": {"train": False}}))
+    result = train_any_rl(_config(tmp_path / "run", roles={"alice": {}, "bob": {"train": False}}))
     final = result.final_dir
     assert final is not None and (final / "team.json").is_file()
     rows = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0]
@@ -176,17 +176,17 @@ def test_team_run_trains_each_adapter_and_writes_per_role_folders(tmp_path):
 
 
 def test_shared_adapter_is_one_policy(tmp_path):
-    result = train_rl(_config(tmp_path / "run", "steps=1", roles={"alice": {"adapter": "team"}, "bob": {"adapter": "team"}}))
+    result = train_any_rl(_config(tmp_path / "run", "steps=1", roles={"alice": {"adapter": "team"}, "bob": {"adapter": "team"}}))
     assert sorted(p.name for p in result.final_dir.iterdir() if p.is_dir()) == ["team"]
     row = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0][-1]
     assert row["adapter/team/examples"] > 0 and "role/alice/reward" in row
 
 
 def test_team_resume_matches_straight_run_exactly(tmp_path):
-    straight = train_rl(_config(tmp_path / "a", "steps=3"))
-    stopped = train_rl(_config(tmp_path / "b", "steps=3"), stop_at_step=1)
+    straight = train_any_rl(_config(tmp_path / "a", "steps=3"))
+    stopped = train_any_rl(_config(tmp_path / "b", "steps=3"), stop_at_step=1)
     assert stopped.final_dir is None and stopped.step == 1
-    resumed = train_rl(_config(tmp_path / "b", "steps=3"), resume=True)
+    resumed = train_any_rl(_config(tmp_path / "b", "steps=3"), resume=True)
     assert _rows(tmp_path / "a") == _rows(tmp_path / "b")
     for name in ("alice", "bob"):
         a, b = _adapter_tensors(straight.final_dir, name), _adapter_tensors(resumed.final_dir, name)
@@ -195,9 +195,9 @@ def test_team_resume_matches_straight_run_exactly(tmp_path):
 
 def test_config_mistakes_are_named(tmp_path):
     with pytest.raises(ValueError, match="has roles"):
-        train_rl(_config(tmp_path / "r1", roles={"alice": {}, "carol": {}}))
+        train_any_rl(_config(tmp_path / "r1", roles={"alice": {}, "carol": {}}))
     with pytest.raises(ValueError, match="not a team env"):
-        train_rl(_config(tmp_path / "r2", "env.name=calculator", roles={"alice": {}}))
+        train_any_rl(_config(tmp_path / "r2", "env.name=calculator", roles={"alice": {}}))
     with pytest.raises(ValueError, match="lora.enabled"):
         _config(tmp_path / "r3", "lora.enabled=false")
 
@@ -242,7 +242,7 @@ def test_selfplay_loop_runs_on_the_calculator(tmp_path, monkeypatch):
     from tracegym.environments.calc_proposer import CalcProposerEnv
     from tracegym.recipes import selfplay
 
-    result = train_rl(_selfplay_config(tmp_path / "random"))
+    result = train_any_rl(_selfplay_config(tmp_path / "random"))
     rows = [r for r in read_metrics(tmp_path / "random") if r.get("step", 0) > 0]
     assert rows[-1]["proposer/valid_rate"] == 0.0 and rows[-1]["proposer/reward"] == 0.0
     assert (result.final_dir / "proposer").is_dir() and (result.final_dir / "solver").is_dir()
@@ -271,7 +271,7 @@ def test_selfplay_loop_runs_on_the_calculator(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(selfplay, "proposer_rewards", spy)
-    train_rl(_selfplay_config(tmp_path / "injected", "steps=1"))
+    train_any_rl(_selfplay_config(tmp_path / "injected", "steps=1"))
     row = [r for r in read_metrics(tmp_path / "injected") if r.get("step", 0) > 0][-1]
     assert row["proposer/valid_rate"] == 0.5
     valid, rates, rewards = seen["calls"][0]
@@ -335,7 +335,7 @@ def test_selfplay_reward_replacement_keeps_the_episode_reward_the_sum_of_the_tur
 
 
 def test_zero_reward_zeroes_every_role_trajectory_and_its_turns(monkeypatch, tokenizer):
-    import tracegym.rollout_team as rollout_team
+    import tracegym.rollout.team as rollout_team
     from tracegym.algos import episode_reward_problems
     from tracegym.types import Trajectory, Turn
 
@@ -383,7 +383,7 @@ def test_counterfactual_credit_scores_each_role_turn(tokenizer):
     above 0 (its team can no longer win)."""
     from tracegym.engines.hf import HFEngine
     from tracegym.models import load
-    from tracegym.rollout_team import score_team_counterfactual
+    from tracegym.rollout.team import score_team_counterfactual
 
     torch.manual_seed(0)
     model, _ = load("tiny-random")
@@ -414,7 +414,7 @@ def test_counterfactual_credit_scores_each_role_turn(tokenizer):
 
 
 def test_team_rl_with_counterfactual_credit_runs(tmp_path):
-    train_rl(_config(tmp_path / "run", "steps=1", "advantage.intrinsic=mc_continuation",
+    train_any_rl(_config(tmp_path / "run", "steps=1", "advantage.intrinsic=mc_continuation",
                      "advantage.estimator=mc_continuation", "advantage.mc_k=2", "advantage.mc_m=1"))
     row = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0][-1]
     assert row["c3_decisions"] == 24 and row["c3_continuations"] == 48 and "advantage/mc_advantage_abs_mean" in row

@@ -1,4 +1,4 @@
-"""Tree-search rollouts (``tracegym.rollout_tree``) and the ``tree`` estimator (``tracegym.algos.tree``).
+"""Tree-search rollouts (``tracegym.rollout.tree``) and the ``tree`` estimator (``tracegym.algos.tree``).
 
 The estimator against the hand values of SPECS.md section 2 and against GRPO on depth-1 trees; the
 1/L token weights (every node weighs 1 in total) through examples, batch and loss; the rollouts on
@@ -22,8 +22,8 @@ from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import TreeConfig
 from tracegym.envs.base import Env, Task
 from tracegym.rollout import RolloutConfig
-from tracegym.rollout_branches import BranchingUnsupported
-from tracegym.rollout_tree import fork_points, run_tree_rollouts_sync
+from tracegym.rollout.branches import BranchingUnsupported
+from tracegym.rollout.tree import fork_points, run_tree_rollouts_sync
 from tracegym.types import Generation, Message, StepResult, Trajectory, TrajectoryGroup, Turn, group_trajectories
 
 
@@ -116,7 +116,7 @@ def test_leaves_of_equal_reward_give_exactly_zero(mode: str):
 
 def test_zero_reward_failed_leaves_have_their_turn_rewards_zeroed():
     from tracegym.algos import episode_reward_problems
-    from tracegym.rollout_tree import TreeStats, _Tree, _tree_result
+    from tracegym.rollout.tree import TreeStats, _Tree, _tree_result
 
     ok = _trajectory("t", 0, [0.5, 1.0], ["a", "0:1"])
     failed = _trajectory("t", 1, [0.5], ["a"]).model_copy(update={"end_reason": "env_error", "error": "boom"})

@@ -292,7 +292,7 @@ class EnvConfig(_Section):
 
 
 class CurriculumConfig(_Section):
-    """Pass-rate curriculum of the RL recipe's task choice (``tracegym.executors.curriculum``,
+    """Pass-rate curriculum of the RL recipe's task choice (``tracegym.rl.executors.curriculum``,
     docs/algorithms.md, "Curriculum"): a step's tasks are drawn by their estimated pass rate p,
     favouring tasks whose groups disagree (0 < p < 1), the only ones that carry GRPO signal."""
 
@@ -421,10 +421,14 @@ class RLRolloutConfig(_Section, RolloutSettings):
     ``share_prefix_kv`` and ``preallocate_kv``, default true: the batch's shared prompt prefix
     keys/values held once, and decode writing into a preallocated cache; false only to compare)."""
 
-    strategy: Literal["chains", "tree"] = "chains"
-    """``chains``: ``group_size`` independent episodes per task. ``tree``: tree-search rollouts
-    (``tree``): the group is the ``group_size`` leaves of a tree branched at turn boundaries; pair
-    it with ``advantage.estimator: tree`` so a shared prefix is not counted once per leaf."""
+    strategy: str = "chains"
+    """A rollout strategy of ``tracegym.rollout.strategies.ROLLOUT_STRATEGIES``: ``chains``
+    (``group_size`` independent episodes per task), ``tree`` (tree-search rollouts: the group is the
+    ``group_size`` leaves of a tree branched at turn boundaries; pair it with ``advantage.estimator:
+    tree`` so a shared prefix is not counted once per leaf) or one a plugin registers."""
+
+    strategy_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the strategy, validated by its options model (``tree`` reads ``tree`` when this is empty)."""
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
     """Tree-search rollouts (``strategy: tree``)."""
@@ -439,6 +443,10 @@ class RLRolloutConfig(_Section, RolloutSettings):
     def settings(self, **overrides: Any) -> dict[str, Any]:
         """The ``RolloutSettings`` fields (what ``tracegym.rollout.RolloutConfig`` shares), with overrides."""
         return {**self.model_dump(include=set(RolloutSettings.model_fields)), **overrides}
+
+    def strategy_settings(self) -> Any:
+        """The options the strategy runs with: ``strategy_options``, or the ``tree`` section for ``tree``."""
+        return self.tree if self.strategy == "tree" and not self.strategy_options else self.strategy_options
 
 
 class AdvantageConfig(_Section):
@@ -1164,7 +1172,7 @@ class SynthesizeConfig(_Section):
     (``success:min_reward=0.5``); ``[]`` keeps every episode. Built in: ``success`` (rejection
     sampling; option ``min_reward``), ``pareto`` (each task's successes not dominated on tool calls
     and generated tokens), ``recovery`` (episodes that hit a tool error and recovered; options
-    ``prefer``, ``per_task``), ``dedupe``; ``tracegym.synthesis.register_filter`` adds more."""
+    ``prefer``, ``per_task``), ``dedupe``; ``tracegym.data.filters.register_filter`` adds more."""
 
     max_turns: int | None = Field(None, gt=0)
     """Assistant turns per episode (default: the env's limit)."""
@@ -1202,7 +1210,7 @@ class SynthesizeConfig(_Section):
     def _filters(cls, value: Any) -> Any:
         """Each item as the CLI's text form, checked against the registered filters (unknown names
         and options, bad values): ``{recovery: {prefer: true}}`` -> ``"recovery:prefer=true"``."""
-        from tracegym.synthesis import parse_filters
+        from tracegym.data.filters import parse_filters
 
         if value is None:
             return []

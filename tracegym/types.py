@@ -93,6 +93,10 @@ class Generation(_Frozen):
     text: str | None = None  # set by text-level engines; token engines may leave it None
 
 
+BASE_ADAPTER = "__base__"
+"""The adapter name that means "the base model, no LoRA" in a mixed-adapter batch (peft's name for it),
+for every engine whose ``generate`` takes ``adapters=``."""
+
 REWARD_PART_PREFIX = "reward/"
 """Info and metrics keys ``reward/<part>`` carry named reward parts (see :class:`StepResult`)."""
 

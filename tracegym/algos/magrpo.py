@@ -5,7 +5,7 @@ Source: Liu et al. 2025, "LLM Collaboration With Multi-Agent Reinforcement Learn
 history share one joint reward ``R^(g)``; every agent i gets ``A^(g) = R^(g) - mean_g R`` on its own
 actions and maximises ``E[A^(g) log pi_i(a_i^(g) | h_i)]`` with its own parameters (its adapter).
 
-Here each role's trajectories of one task form a group (``tracegym.rollout_team.group_by_role``),
+Here each role's trajectories of one task form a group (``tracegym.rollout.team.group_by_role``),
 so the baseline is the mean joint reward of the G samples of that task, per role (the "align" mode:
 G samples, not G^N). With equal joint rewards in every role's trajectory the advantages are equal
 across roles of one episode; per-role rewards (``TeamStep.role_rewards``) make them differ.
@@ -27,7 +27,7 @@ def check_single_role(groups: Sequence[TrajectoryGroup]) -> None:
         roles = {t.info.get("role") for t in group.trajectories}
         if len(roles) > 1:
             raise ValueError(f"group {group.task_id} mixes roles {sorted(map(str, roles))}: group team "
-                             "trajectories with tracegym.rollout_team.group_by_role")
+                             "trajectories with tracegym.rollout.team.group_by_role")
 
 
 @ADVANTAGE_ESTIMATORS.register("magrpo")

@@ -1,6 +1,6 @@
 """Monte-Carlo continuation advantages (VinePPO / C3 style), from scores written before the estimator.
 
-``tracegym.rollout_branches.score_mc_continuation`` (config ``advantage.intrinsic: mc_continuation``)
+``tracegym.rollout.branches.score_mc_continuation`` (config ``advantage.intrinsic: mc_continuation``)
 branches each trajectory at its decision turns: the taken action and K-1 alternatives sampled from
 the same prompt, M continuations each, and writes on decision turn ``t``::
 

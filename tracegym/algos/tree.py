@@ -1,7 +1,7 @@
 """Advantages over a rollout tree (TreeRL / ARPO), one per turn, with per-turn token weights.
 
 Input: a group whose trajectories are the leaves of one tree (``rollout.strategy: tree``), each
-turn labelled with its node (``Trajectory.info["tree"]["nodes"]``, see ``tracegym.rollout_tree``);
+turn labelled with its node (``Trajectory.info["tree"]["nodes"]``, see ``tracegym.rollout.tree``);
 a trajectory without tree info is a chain of its own from the root (so on ordinary rollouts the tree
 is N independent chains of depth 1).
 

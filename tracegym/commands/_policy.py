@@ -99,6 +99,14 @@ def check_env_args(args: argparse.Namespace) -> None:
         check_env_options(args.env, dict(args.env_option))
     except (ValueError, TypeError, ImportError) as exc:
         raise UsageError(f"cannot make env {args.env!r}: {exc}") from exc
+    strategy = getattr(args, "strategy", "chains")
+    if strategy != "chains" or getattr(args, "strategy_option", None):
+        from tracegym.rollout.strategies import strategy_problems
+
+        problems = strategy_problems(strategy, dict(args.strategy_option))
+        if problems:
+            raise UsageError(problems[0].replace("rollout.strategy_options", "--strategy-option")
+                             .replace("rollout.strategy", "--strategy"))
 
 
 def _attack_list(text: str) -> list[str]:
@@ -180,6 +188,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_tasks: int, de
     parser.add_argument("--batching", choices=("continuous", "per_turn"), default="continuous",
                         help="hf engine: turns join one running batch (continuous, default) or wait for one "
                              "generate call per turn (per_turn)")
+    parser.add_argument("--strategy", default="chains",
+                        help="rollout strategy (tracegym.rollout.strategies: chains, tree, or a --plugin's; default chains)")
+    parser.add_argument("--strategy-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                        help="an option of the strategy (repeatable)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", required=True, help="output folder")
 
@@ -478,7 +490,7 @@ def run_policy(
     import asyncio
 
     from tracegym.envs.injection import env_source
-    from tracegym.rollout import run_rollouts
+    from tracegym.rollout.strategies import RolloutJob, run_strategy
 
     from tracegym.envs import make
     from tracegym.envs.team import TeamEnv
@@ -487,20 +499,19 @@ def run_policy(
     team = isinstance(probe, TeamEnv)
     probe.close()
     if team:  # a team env: one trajectory per role per episode, the same policy (or expert) in every role
-        from tracegym.rollout_team import run_team_rollouts
+        from tracegym.rollout.team import run_team_rollouts
 
         if injection_settings(args) is not None:
             raise UsageError(f"--injection-rate is not supported on the team env {args.env!r}")
+        if args.strategy != "chains":
+            raise UsageError(f"--strategy {args.strategy} is not supported on the team env {args.env!r} (chains only)")
         result = asyncio.run(run_team_rollouts(args.env, tasks, setup.policy, setup.renderer, config,
                                                env_options=env_options, writer=writer, policy_name=setup.policy_name))
         if failed_writer is not None:
             failed_writer.write_all(result.failed)
         return result
     env, options = env_source(args.env, env_options, injection_settings(args))
-    return asyncio.run(
-        run_rollouts(
-            env, tasks, setup.policy, setup.renderer, config, writer=writer, progress=not args.no_progress,
-            failed_writer=failed_writer, env_options=options, policy_name=setup.policy_name,
-            gap_model=setup.gap_model,
-        )
-    )
+    job = RolloutJob(env, tasks, setup.policy, setup.renderer, config, env_options=options, writer=writer,
+                     failed_writer=failed_writer, policy_name=setup.policy_name, gap_model=setup.gap_model,
+                     progress=not args.no_progress)
+    return asyncio.run(run_strategy(args.strategy, job, dict(args.strategy_option)))

@@ -157,7 +157,7 @@ def run_pooled(args: argparse.Namespace, labels: list[str] | None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tracegym.eval.evaluate import atomic_write_text
+    from tracegym.files import atomic_write_text
     from tracegym.eval.plots import save_figure
     from tracegym.eval.seeds import seed_compare_figure
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tracegym.eval.evaluate import atomic_write_text
+    from tracegym.files import atomic_write_text
     from tracegym.eval.plots import compare_figure, save_figure
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None

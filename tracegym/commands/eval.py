@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         UsageError, build_policy, check_env_args, env_turn_limit, injection_settings, make_tasks, print_error,
         rollout_config,
     )
-    from tracegym.eval.evaluate import atomic_write_text
+    from tracegym.files import atomic_write_text
     from tracegym.recipes.evaluate import evaluate_to_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             args.env, tasks, setup.policy, setup.renderer, config, args.k, args.turns, args.out,
             env_options=env_options, policy_name=setup.policy_name, split=args.split, gap_model=setup.gap_model,
             bootstrap=args.bootstrap, progress=not args.no_progress, injection=injection,
+            strategy=args.strategy, strategy_options=dict(args.strategy_option),
             extra={
                 # "model" is what produced the episodes ("expert", the adapter folder or the model
                 # name, as in Trajectory.policy); the model the adapter was merged into is base_model.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from tracegym.commands._config import add_config_arguments
 
@@ -41,7 +42,7 @@ def check_policy_loss(options: dict) -> None:
 
 def check_config(cfg: object) -> None:
     """Sections ``RLConfig`` cannot validate alone: ``policy_loss``, ``advantage`` (the estimator's
-    options model) and ``env`` (its name and options, read from the env factory's signature). Raises
+    options model), ``rollout.strategy`` (a registered strategy and its options) and ``env`` (its name and options, read from the env factory's signature). Raises
     one ``ConfigError`` listing every problem."""
     from tracegym.algos import estimator_problems
     from tracegym.commands._config import check_env_config
@@ -54,11 +55,30 @@ def check_config(cfg: object) -> None:
         problems.extend(exc.problems)
     problems.extend(check_env_config(cfg.env.name, cfg.env.options))  # type: ignore[attr-defined]
     problems.extend(estimator_problems(cfg.advantage.estimator, cfg.advantage.options))  # type: ignore[attr-defined]
+    from tracegym.rollout.strategies import strategy_problems
+
+    problems.extend(strategy_problems(cfg.rollout.strategy, cfg.rollout.strategy_options))  # type: ignore[attr-defined]
     if problems:
         raise ConfigError(problems)
 
 
 FINAL_KEYS = ("reward/mean", "eval/pass@1")
+
+
+def train_any_rl(cfg: Any, resume: bool = False, stop_at_step: int | None = None) -> Any:
+    """The loop an RL config asks for: proposer/solver self-play (``selfplay``), a team of roles with
+    one adapter each (``roles``), or single-agent RL; each is a flat loop in ``tracegym.recipes``."""
+    if cfg.selfplay is not None:
+        from tracegym.recipes.selfplay import train_selfplay
+
+        return train_selfplay(cfg, resume=resume, stop_at_step=stop_at_step)
+    if cfg.roles:
+        from tracegym.recipes.team import train_team
+
+        return train_team(cfg, resume=resume, stop_at_step=stop_at_step)
+    from tracegym.recipes.rl import train_rl
+
+    return train_rl(cfg, resume=resume, stop_at_step=stop_at_step)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         return run_seeds(args)
     # a bad policy_loss option, env name or env option fails here, before any model loads
-    result = train_from_config(RLConfig, args, "tracegym.recipes.rl:train_rl", check=check_config)
+    result = train_from_config(RLConfig, args, "tracegym.commands.rl:train_any_rl", check=check_config)
     if isinstance(result, int):
         return result
     return print_done("rl", result, FINAL_KEYS)
@@ -89,9 +109,7 @@ def run_seeds(args: argparse.Namespace) -> int:
         return cfg
 
     def train_one(seed_cfg: RLConfig) -> dict[str, float]:
-        from tracegym.recipes.rl import train_rl
-
-        result = train_rl(seed_cfg, resume=args.resume)
+        result = train_any_rl(seed_cfg, resume=args.resume)
         print_done("rl", result, FINAL_KEYS)
         return last_logged(result.run_dir, FINAL_KEYS)
 

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         "split": args.split,
         "tasks": len(tasks),
         "samples_per_task": args.samples,
+        "strategy": args.strategy,
         **stats.to_dict(),
         "config": config.model_dump(),
     }

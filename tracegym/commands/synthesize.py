@@ -12,7 +12,7 @@ model id from ``--teacher-model``, default the server's only model; the key from
 variable ``--api-key-env``, never printed or written), or a local model name/folder (hf engine, its
 own renderer or ``--teacher-renderer``). Writes ``OUT/trajectories.jsonl`` (SFT-ready for
 ``--student``), ``OUT/teacher.jsonl`` (every teacher episode, before the filters) and
-``OUT/summary.json``; see ``tracegym/synthesis.py`` and docs/synthesis.md.
+``OUT/summary.json``; see ``tracegym/recipes/synthesize.py`` and docs/synthesis.md.
 
 With ``--config`` every setting comes from a YAML file (``SynthesizeConfig``: the flags' names as
 keys, ``teacher``/``student``/``env`` as sections, ``filters`` as a list whose items may carry
@@ -79,7 +79,8 @@ def _setup(args: argparse.Namespace) -> tuple:
     from tracegym.models import load_tokenizer
     from tracegym.render import get_renderer
     from tracegym.rollout import RolloutConfig
-    from tracegym.synthesis import TeacherError, make_teacher, parse_filters
+    from tracegym.data.filters import parse_filters
+    from tracegym.recipes.synthesize import TeacherError, make_teacher
 
     check_env_args(args)
     try:
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from tracegym.commands._policy import UsageError
-    from tracegym.synthesis import synthesize
+    from tracegym.recipes.synthesize import synthesize
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = None

@@ -25,13 +25,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
-from tracegym.types import Generation, SamplingParams
+from tracegym.types import BASE_ADAPTER, Generation, SamplingParams  # noqa: F401  (BASE_ADAPTER re-exported)
 
 WeightSync = Literal["shared_model", "state_dict", "adapter", "none"]
-
-BASE_ADAPTER = "__base__"
-"""The adapter name that means "the base model, no LoRA" in a mixed-adapter batch (peft's name for it),
-for every engine whose ``generate`` takes ``adapters=``."""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from tracegym.engines.hf import sample_tokens, sampling_logprobs, validate_params
+from tracegym.engines.sampling import sample_tokens, sampling_logprobs, validate_params
 from tracegym.engines.kv_buffers import KVBufferCache
 from tracegym.engines.shared_prefix import SharedPrefix, supports_shared_prefix
 from tracegym.types import FinishReason, Generation, SamplingParams

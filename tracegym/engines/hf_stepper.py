@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tracegym.engines.hf import sample_tokens, sampling_logprobs
+from tracegym.engines.sampling import sample_tokens, sampling_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -209,7 +209,7 @@ class VLLMEngine(Engine):
         or none."""
         from vllm.inputs import TokensPrompt
 
-        from tracegym.engines.hf import validate_params
+        from tracegym.engines.sampling import validate_params
 
         validate_params(params)
         lora_request = self.lora_requests_for(len(prompts), adapters)

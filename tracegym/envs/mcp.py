@@ -45,6 +45,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Sequence
 
+from tracegym.envs.base import Env
 from tracegym.envs.tools import ToolEnv
 from tracegym.types import Message, ToolCall
 
@@ -714,6 +715,14 @@ class MCPToolEnv(ToolEnv):
             raise ValueError(f"{type(self).__name__}: no MCP servers configured (set mcp_servers or pass servers=)")
         if self.mcp_scope not in ("shared", "per_episode"):
             raise ValueError(f"scope must be 'shared' or 'per_episode', got {self.mcp_scope!r}")
+
+    def branch_refusal(self) -> str | None:
+        """MCP tools live in server processes: no snapshot can capture or restore their state."""
+        reason = Env.branch_refusal(self)  # the plain env's checks first, as ToolEnv's
+        if reason is not None:
+            return reason
+        return (f"its tools are served by MCP server processes (scope={getattr(self, 'mcp_scope', '?')!r}) "
+                "whose state a snapshot cannot capture or restore")
 
     @property
     def mcp_provider(self) -> MCPToolProvider:

@@ -490,13 +490,6 @@ class ToolEnv(Env):
         reason = super().branch_refusal()
         if reason is not None:
             return reason
-        from tracegym.envs.mcp import MCPToolEnv  # here: mcp imports this module
-
-        if isinstance(self, MCPToolEnv):
-            return (
-                f"its tools are served by MCP server processes (scope={getattr(self, 'mcp_scope', '?')!r}) "
-                "whose state a snapshot cannot capture or restore"
-            )
         stray = _stray_calls(self)
         if stray:
             return f"a timed-out call of tool '{stray[0]}' still runs in the background and may still change the env's state"

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -55,6 +54,7 @@ from tracegym.eval.metrics import (
     valid_ks,
 )
 from tracegym.eval.toolcalls import invalid_call_stats, reference_call_stats
+from tracegym.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from tracegym.types import Trajectory, write_jsonl
 
 __all__ = [
@@ -197,27 +197,6 @@ def _mean_wall_time(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 def _num_tool_calls(trajectory: Trajectory) -> int:
     return sum(len(m.tool_calls) for m in trajectory.messages if m.role == "assistant")
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename, so a reader
-    never sees a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def load_eval(path: str | Path) -> dict[str, Any]:

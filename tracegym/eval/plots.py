@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tracegym.eval.evaluate import atomic_write_bytes
+from tracegym.files import atomic_write_bytes
 from tracegym.eval.metrics import assistant_turns
 from tracegym.types import Trajectory
 

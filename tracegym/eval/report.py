@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from markupsafe import Markup
 
-from tracegym.eval.evaluate import EVAL_FILE, atomic_write_text, load_eval
+from tracegym.eval.evaluate import EVAL_FILE, load_eval
+from tracegym.files import atomic_write_text
 from tracegym.eval.metrics import assistant_turns
 from tracegym.types import Message, Trajectory, read_json_rows
 

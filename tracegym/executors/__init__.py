@@ -1,11 +1,8 @@
-"""Where rollouts run relative to the update (``executor.kind``: local, threads, ray).
+"""Old path of ``tracegym.rl.executors``, kept for one release."""
 
-Exported here: ``StalenessGate`` (``tracegym.executors.gate``), the pure-Python admission of
-rollouts by version lag that every asynchronous executor shares. The executors themselves are
-imported from their modules (``tracegym.executors.factory.make_executor``), so importing this
-package pulls in neither torch nor Ray.
-"""
+import warnings
 
-from tracegym.executors.gate import StalenessGate
+from tracegym.rl.executors import *  # noqa: F401,F403
+from tracegym.rl.executors import __all__  # noqa: F401
 
-__all__ = ["StalenessGate"]
+warnings.warn("tracegym.executors moved to tracegym.rl.executors", DeprecationWarning, stacklevel=2)

@@ -1,36 +1,9 @@
-"""``make_executor``: the executor ``cfg.executor.kind`` names, started at policy ``version``."""
+"""Old path of ``tracegym.rl.executors.factory``, kept for one release."""
 
-from __future__ import annotations
+import sys
+import warnings
 
-from typing import Any, Sequence
+import tracegym.rl.executors.factory as _moved
 
-import torch
-
-from tracegym.executors.base import Executor
-
-
-def make_executor(cfg: Any, model: torch.nn.Module, tokenizer: Any, renderer: Any, sampler: Any,
-                  train_tasks: Sequence[Any], version: int, gap_model: torch.nn.Module | None = None) -> Executor:
-    """``local`` samples with ``sampler`` (the trainer's own engine); ``threads`` and ``ray`` build
-    their own policy copies and engines. ``version``: updates applied so far (the step resumed at).
-    ``tasks.curriculum`` runs on ``local`` only; the others refuse it."""
-    kind = cfg.executor.kind
-    curriculum = cfg.tasks.curriculum
-    if kind != "local" and curriculum is not None and curriculum.enabled:
-        # The asynchronous executors sample step s+1 while step s trains, before s's outcomes are
-        # known, and on several workers at once: a draw from the pass rates would depend on timing.
-        raise ValueError(f"tasks.curriculum needs executor.kind: local (got {kind}); drop the section or set "
-                         "tasks.curriculum.enabled: false")
-    if kind == "local":
-        from tracegym.executors.local import LocalExecutor
-
-        return LocalExecutor(cfg, sampler, renderer, train_tasks, version, gap_model=gap_model)
-    if kind == "threads":
-        from tracegym.executors.threads import ThreadsExecutor
-
-        return ThreadsExecutor(cfg, model, tokenizer, renderer, train_tasks, version)
-    if kind == "ray":
-        from tracegym.executors.ray_workers import RayExecutor
-
-        return RayExecutor(cfg, model, version)
-    raise ValueError(f"unknown executor.kind {kind!r}; expected local, threads or ray")
+warnings.warn("tracegym.executors.factory moved to tracegym.rl.executors.factory", DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _moved

@@ -15,7 +15,8 @@ from tracegym.config import InjectionConfig
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import env_source
 from tracegym.eval import summarize, write_eval
-from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
+from tracegym.rollout import RolloutConfig, RolloutResult
+from tracegym.rollout.strategies import RolloutJob, run_strategy_sync
 
 
 def evaluate_to_dir(
@@ -37,11 +38,15 @@ def evaluate_to_dir(
     progress: bool = True,
     plots: bool = True,
     injection: InjectionConfig | None = None,
+    strategy: str = "chains",
+    strategy_options: Any = None,
 ) -> tuple[dict[str, Any], RolloutResult, dict[str, Path]]:
     """Run ``config.samples_per_task`` episodes per task and write ``out/eval.json``, the task-ordered
     ``trajectories.jsonl`` and the plots. Returns (summary, rollout result, written files).
     ``injection``: the episodes run in ``InjectionEnv`` around the env (eval.json then has ``asr``,
-    ``utility_clean``, ``utility_injected``, ... and the settings under ``injection``)."""
+    ``utility_clean``, ``utility_injected``, ... and the settings under ``injection``). ``strategy``:
+    the rollout strategy that samples the episodes (``tracegym.rollout.strategies``; chains only
+    on a team env)."""
     if config.max_turns < max(turns):
         raise ValueError(f"max_turns {config.max_turns} is below the largest turn budget {max(turns)}")
     out = Path(out)
@@ -54,20 +59,22 @@ def evaluate_to_dir(
     probe.close()
     if team and injection is not None:
         raise ValueError(f"prompt injections are not supported on the team env {env!r}")
+    if team and strategy != "chains":
+        raise ValueError(f"rollout strategy {strategy!r} is not supported on the team env {env!r} (chains only)")
     # Streamed as episodes end (a crash keeps what ran), rewritten in task order by write_eval.
     with TrajectoryWriter(out / "trajectories.jsonl") as writer:
         if team:  # the same policy plays every role; one trajectory per role per episode
             from tracegym.recipes.team import episode_heads
-            from tracegym.rollout_team import run_team_rollouts_sync
+            from tracegym.rollout.team import run_team_rollouts_sync
 
             result = run_team_rollouts_sync(env, tasks, policy, renderer, config, env_options=env_options,
                                             writer=writer, policy_name=policy_name or "policy")
             writer.write_all(result.failed)
         else:
             source, options = env_source(env, env_options, injection)
-            result = run_rollouts_sync(source, tasks, policy, renderer, config, writer=writer, failed_writer=writer,
-                                       progress=progress, env_options=options, policy_name=policy_name,
-                                       gap_model=gap_model)
+            job = RolloutJob(source, tasks, policy, renderer, config, env_options=options, writer=writer,
+                             failed_writer=writer, policy_name=policy_name, gap_model=gap_model, progress=progress)
+            result = run_strategy_sync(strategy, job, strategy_options)
     order = {task.id: i for i, task in enumerate(tasks)}
     episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))
     scored = episodes
@@ -86,7 +93,7 @@ def evaluate_to_dir(
                      "max_tokens_per_turn": config.max_tokens_per_turn,
                      "max_tokens_per_episode": config.max_tokens_per_episode,
                      "max_context": config.max_context, "episode_timeout_s": config.episode_timeout_s},
-        "rollout": {"episodes": result.stats.episodes, "failed": result.stats.failed,
+        "rollout": {"strategy": strategy, "episodes": result.stats.episodes, "failed": result.stats.failed,
                     "wall_time_s": round(result.stats.wall_time_s, 3),
                     "generated_tokens": result.stats.generated_tokens},
     })

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from tracegym.render.trajectory_examples import BuildStats, build_examples
 from tracegym.types import Message, ParsedCompletion, Trajectory, TrainingExample
 
 SegmentKind = Literal["special", "text", "body"]
@@ -58,21 +59,6 @@ def split_system_message(messages: Sequence[Message], tools_text: str | None) ->
     if tools_text is None:
         return own, rest
     return (f"{own}\n\n{tools_text}" if own is not None else tools_text), rest
-
-
-@dataclass
-class BuildStats:
-    """Counters from building training examples.
-
-    ``splits``: how many times a turn's prompt did not extend the sequence so far (the template
-    rewrote history), so the trajectory was cut into a new example there.
-    """
-
-    examples: int = 0
-    splits: int = 0
-    trained_tokens: int = 0
-    total_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -335,6 +321,4 @@ class Renderer(ABC):
 
         The examples are cut from the token ids the trajectory recorded (token-in, token-out), so
         this default, ``tracegym.render.trajectory_examples.build_examples``, serves every template."""
-        from tracegym.render.trajectory_examples import build_examples
-
         return build_examples(trajectory, weight=weight, advantage=advantage, stats=stats)

@@ -12,9 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tracegym.render.base import BuildStats
 from tracegym.types import Trajectory, TrainingExample
+
+
+@dataclass
+class BuildStats:
+    """Counters from building training examples.
+
+    ``splits``: how many times a turn's prompt did not extend the sequence so far (the template
+    rewrote history), so the trajectory was cut into a new example there.
+    """
+
+    examples: int = 0
+    splits: int = 0
+    trained_tokens: int = 0
+    total_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from tracegym.config import LoraConfig, OptimConfig
-from tracegym.engines.base import BASE_ADAPTER  # "__base__": no adapter, in a mixed batch
+from tracegym.types import BASE_ADAPTER  # "__base__": no adapter, in a mixed batch
 
 __all__ = ["AdapterPool", "BASE_ADAPTER"]
 

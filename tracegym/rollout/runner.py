@@ -7,7 +7,7 @@ Many episodes run at once (``tasks x samples_per_task``, at most ``concurrency``
 is an asyncio task running the one episode loop, ``tracegym.envs.episode.play_episode`` (reset, then
 per turn: ask the policy, step the env, record a ``Turn``; limits, timeout, failure isolation, state
 keys, non-finite rewards rejected). The runner gives that loop one policy object per episode
-(``_RenderedPolicy``) that keeps the prompt as token ids and gets completions from the engine.
+(``RenderedPolicy``) that keeps the prompt as token ids and gets completions from the engine.
 
 Three kinds of policy go through it (told apart by ``policy.capabilities``, an
 ``EngineCapabilities``, or else the older ``returns_logprobs`` attribute):
@@ -85,6 +85,9 @@ __all__ = [
     "env_factory",
     "cut_generation",
     "zero_reward",
+    "batching",
+    "EpisodeRunner",
+    "RenderedPolicy",
 ]
 
 
@@ -414,7 +417,7 @@ def _policy_mode(policy: Any) -> PolicyMode:
     raise TypeError(f"policy must be an engine (generate), a chat engine (chat) or 'expert', got {policy!r}")
 
 
-class _RenderedPolicy:
+class RenderedPolicy:
     """The runner's per-episode policy: keeps the episode's prompt as token ids and gets each
     turn's completion from the token engine (through the batcher), the message-level engine or the
     env's scripted expert.
@@ -429,7 +432,7 @@ class _RenderedPolicy:
     one's tokens (:func:`run_prefixed_episodes`).
     """
 
-    def __init__(self, runner: _Runner, env: Env, prefix: Sequence[Action] = (), adapter: str | None = None,
+    def __init__(self, runner: EpisodeRunner, env: Env, prefix: Sequence[Action] = (), adapter: str | None = None,
                  episode_index: int = 0):
         self.runner = runner
         self.env = env
@@ -519,7 +522,7 @@ class _RenderedPolicy:
         return Action(message=message, parse_errors=errors, tokens=TokenData(prompt, completion_ids, None, finish))
 
 
-class _Runner:
+class EpisodeRunner:
     def __init__(
         self,
         env_factory: Callable[[], Env],
@@ -550,16 +553,16 @@ class _Runner:
         make_env: Callable[[], Env] | None = None, prefix: Sequence[Action] = (), index: int = 0,
     ) -> Trajectory:
         """One episode through the shared loop; failed ones are zero-rewarded when configured.
-        ``make_env`` replaces the runner's env factory, ``prefix`` is played first (``_RenderedPolicy``);
+        ``make_env`` replaces the runner's env factory, ``prefix`` is played first (``RenderedPolicy``);
         ``index``: the episode's place in the run (its sampling seeds under continuous batching)."""
         cfg = self.config
         async with sem:
             if self.batcher is not None:
                 self.batcher.episode_started()
-            policies: list[_RenderedPolicy] = []
+            policies: list[RenderedPolicy] = []
 
-            def make_policy(env: Env) -> _RenderedPolicy:
-                policies.append(_RenderedPolicy(self, env, prefix, episode_index=index))
+            def make_policy(env: Env) -> RenderedPolicy:
+                policies.append(RenderedPolicy(self, env, prefix, episode_index=index))
                 return policies[-1]
 
             try:
@@ -590,7 +593,7 @@ def _progress_bar(total: int, enabled: bool, **kwargs: Any):
 
 
 @contextlib.asynccontextmanager
-async def _batching(runner: _Runner, policy: Any, config: RolloutConfig, *,
+async def batching(runner: EpisodeRunner, policy: Any, config: RolloutConfig, *,
                     continuous: bool = True) -> AsyncIterator[None]:
     """For a token engine: the batcher task, running while the block runs and cancelled after it
     (nothing for message-level policies): continuous batching (``_StreamBatcher``) when the config
@@ -654,7 +657,7 @@ async def run_rollouts(
     factory, env_name = env_factory(env, env_options)
     if policy_name is None:
         policy_name = policy if isinstance(policy, str) else str(getattr(policy, "model_name", None) or policy.name)
-    runner = _Runner(factory, env_name, policy, renderer, config, policy_name)
+    runner = EpisodeRunner(factory, env_name, policy, renderer, config, policy_name)
     episodes = [(task, k) for task in tasks for k in range(config.samples_per_task)]
     kept: dict[int, Trajectory] = {}
     failed: dict[int, Trajectory] = {}
@@ -687,7 +690,7 @@ async def run_rollouts(
         async def one(index: int, task: Task, sample_index: int) -> None:
             on_done(index, await runner.episode(task, sample_index, sem, index=index))
 
-        async with _batching(runner, policy, config):
+        async with batching(runner, policy, config):
             await asyncio.gather(*(one(i, task, k) for i, (task, k) in enumerate(episodes)))
 
     wall = time.perf_counter() - t0
@@ -758,12 +761,12 @@ async def run_prefixed_episodes(
     factory, env_name = env_factory(env, env_options)
     if factory is None and any(e.make_env is None for e in episodes):
         raise ValueError("run_prefixed_episodes: an episode without make_env needs env")
-    runner = _Runner(factory, env_name, policy, renderer, config, policy_name)  # type: ignore[arg-type]
+    runner = EpisodeRunner(factory, env_name, policy, renderer, config, policy_name)  # type: ignore[arg-type]
     if runner.mode != "token":
         raise ValueError("run_prefixed_episodes needs a token engine (generate)")
     sem = asyncio.Semaphore(config.concurrency)
     t0 = time.perf_counter()
-    async with _batching(runner, policy, config):
+    async with batching(runner, policy, config):
         trajectories = list(await asyncio.gather(*(
             runner.episode(e.task, e.sample_index, sem, make_env=e.make_env, prefix=e.prefix, index=i)
             for i, e in enumerate(episodes)
@@ -813,7 +816,7 @@ def logprob_gap(
     """
     import torch
 
-    from tracegym.engines.hf import sampling_logprobs
+    from tracegym.engines.sampling import sampling_logprobs
 
     turns = [turn for traj in trajectories for turn in traj.turns
              if turn.completion_logprobs is not None and turn.completion_ids]
