@@ -287,36 +287,6 @@ def _turn_budget(trajectory: Trajectory, t: int, config: RolloutConfig) -> int:
     return budget
 
 
-async def _sample_alternatives(points: list[_Point], k: int, sampler: Any, renderer: Any, config: RolloutConfig,
-                               seed: int | None, stats: MCStats) -> None:
-    """Append K-1 sampled actions to every point: prompt = turn t's ``prompt_ids``, in batched
-    ``generate`` calls of at most ``config.concurrency`` prompts."""
-    rows = [(p, _turn_budget(p.trajectory, p.t, config)) for p in points for _ in range(k - 1)]
-    rows = [(p, b) for p, b in rows if b > 0]
-    width = max(config.concurrency, 1)
-    for call, start in enumerate(range(0, len(rows), width)):
-        chunk = rows[start : start + width]
-        params = SamplingParams(
-            temperature=config.temperature, top_p=config.top_p, max_tokens=max(b for _, b in chunk),
-            stop_token_ids=tuple(renderer.stop_token_ids),
-            seed=None if seed is None else (seed * 1_000_003 + call) % (2**63),
-        )
-        prompts = [list(p.trajectory.turns[p.t].prompt_ids) for p, _ in chunk]
-        outs = await asyncio.to_thread(sampler.generate, prompts, params)
-        if len(outs) != len(chunk):
-            raise RuntimeError(f"engine returned {len(outs)} results for {len(chunk)} prompts")
-        stats.generate_calls += 1
-        for (p, budget), gens in zip(chunk, outs):
-            gen = cut_generation(gens[0], budget)
-            parsed = renderer.parse_completion(gen.token_ids)
-            tokens = TokenData(tuple(p.trajectory.turns[p.t].prompt_ids), tuple(gen.token_ids), gen.logprobs,
-                               gen.finish_reason)
-            p.actions.append(Action(message=parsed.message, parse_errors=tuple(parsed.errors), tokens=tokens))
-            stats.alternatives += 1
-            stats.sampled_tokens += len(gen.token_ids)
-            stats.identical_alternatives += int(tuple(gen.token_ids) == tuple(p.trajectory.turns[p.t].completion_ids))
-
-
 def _task_lookup(tasks: Sequence[Task] | Mapping[str, Task]) -> dict[str, Task]:
     if isinstance(tasks, Mapping):
         return dict(tasks)
@@ -343,128 +313,25 @@ async def score_mc_continuation_async(
     seed: int | None = 0,
     reach: Reach = "auto",
 ) -> tuple[list[TrajectoryGroup], MCStats]:
-    """See :func:`score_mc_continuation`."""
-    if k < 2:
-        raise ValueError(f"mc_continuation needs k >= 2 actions per decision turn (a leave-one-out baseline), got {k}")
-    if m < 1:
-        raise ValueError(f"mc_continuation needs m >= 1 continuations per action, got {m}")
-    config = config or RolloutConfig()
-    update: dict[str, Any] = {"seed": None if seed is None else seed + 1}
-    if temperature is not None:
-        update["temperature"] = temperature
-    if max_turns is not None:
-        update["max_turns"] = max_turns
-    config = config.model_copy(update=update)
+    """See :func:`score_mc_continuation`. Reads as its steps: pick the decision points, snapshot them
+    (``reach="snapshot"``), sample K-1 alternatives, play M continuations per action, score each point
+    leave-one-out and write the scores on the turns."""
+    _check_k_m(k, m)
+    config = _continuation_config(config, temperature, max_turns, seed)
     make_env, _ = env_factory(env, env_options)
     stats = MCStats()
     t0 = time.perf_counter()
-    probe = make_env()
-    try:
-        mode = branch_mode(probe, reach)
-    finally:
-        probe.close()
-    stats.reach = mode
-    by_id = _task_lookup(tasks)
-
-    # 1. decision points (failed trajectories are not branched)
-    points: list[_Point] = []
-    chosen: dict[tuple[int, int], list[int]] = {}
-    for g, group in enumerate(groups):
-        for i, trajectory in enumerate(group.trajectories):
-            if trajectory.end_reason in FAILED_END_REASONS or not trajectory.turns:
-                continue
-            turns = decision_turn_indices(len(trajectory.turns), decision_turns)
-            if not turns:
-                continue
-            if trajectory.task_id not in by_id:
-                raise ValueError(f"mc_continuation: no Task with id {trajectory.task_id!r} among the tasks given")
-            chosen[(g, i)] = turns
-            for t in turns:
-                points.append(_Point(g, i, t, trajectory, by_id[trajectory.task_id],
-                                     actions=[recorded_action(trajectory.turns[t])]))
+    mode = stats.reach = _probe_branch_mode(make_env, reach)
+    points, chosen = _decision_points(groups, decision_turns, _task_lookup(tasks))  # 1. (trajectory, turn) pairs
     stats.decision_points = len(points)
-
-    # 2. snapshots: one checked replay per trajectory, a snapshot before each decision turn
     if mode == "snapshot" and points:
-        async def snap(g: int, i: int) -> None:
-            mine = {p.t: p for p in points if (p.g, p.i) == (g, i)}
-            first = next(iter(mine.values()))
-            taken = await snapshots_before(make_env, first.task, first.trajectory, sorted(mine))
-            for t, snapshot in taken.items():
-                mine[t].snapshot = snapshot
-
-        await asyncio.gather(*(snap(g, i) for g, i in chosen))
-
-    # 3. K-1 alternatives per decision point, from turn t's prompt
-    await _sample_alternatives(points, k, sampler, renderer, config, seed, stats)
-
-    # 4. M continuations per action, all through the episode loop and the batcher at once
-    mismatches: list[ReplayMismatch] = []
-    episodes: list[PrefixedEpisode] = []
-    index: list[tuple[int, int]] = []  # (point, action)
-    for n, p in enumerate(points):
-        prefix = tuple(recorded_action(turn) for turn in p.trajectory.turns[: p.t])
-        p.returns = [[] for _ in p.actions]
-        for a, action in enumerate(p.actions):
-            factory = (lambda p=p: BranchEnv(make_env, p.trajectory, p.t, p.snapshot, mismatches))
-            for j in range(m):
-                episodes.append(PrefixedEpisode(p.task, prefix + (action,), factory, sample_index=j))
-                index.append((n, a))
-    if episodes:
-        result = await run_prefixed_episodes(None, episodes, sampler, renderer, config, policy_name="mc_continuation")
-        if mismatches:
-            raise mismatches[0]
-        stats.continuations = len(episodes)
-        stats.failed_continuations = result.stats.failed
-        stats.errors = list(result.stats.errors)
-        stats.sampled_tokens += result.stats.generated_tokens
-        # one row per alternative in the sampling calls, then the batcher's rows
-        calls = stats.generate_calls + result.stats.generate_calls
-        rows = stats.alternatives + round(result.stats.mean_batch_size * result.stats.generate_calls)
-        stats.generate_calls = calls
-        stats.mean_batch_size = rows / calls if calls else 0.0
-        for (n, a), trajectory in zip(index, result.trajectories):
-            p = points[n]
-            if trajectory.end_reason in FAILED_END_REASONS:
-                if config.on_env_error != "zero_reward":
-                    continue  # excluded: left out of Q
-                trajectory = zero_reward(trajectory)  # counts 0, as every other zero-rewarded episode
-            p.returns[a].append(sum(turn.reward for turn in trajectory.turns[p.t:]))
-    elif stats.generate_calls:
-        stats.mean_batch_size = stats.alternatives / stats.generate_calls
-
-    # 5. Q_k, leave-one-out advantage of the actual action, written on its turn
-    scores: dict[tuple[int, int, int], dict[str, float]] = {}
-    for p in points:
-        q = [sum(r) / len(r) if r else None for r in p.returns]
-        others = [v for v in q[1:] if v is not None]
-        if q[0] is None or not others:
-            continue
-        baseline = sum(others) / len(others)
-        scores[(p.g, p.i, p.t)] = {METRIC: q[0] - baseline, "mc_q": q[0], "mc_baseline": baseline}
-    stats.scored = len(scores)
-    if scores:
-        stats.advantage_abs_mean = sum(abs(s[METRIC]) for s in scores.values()) / len(scores)
-
-    out: list[TrajectoryGroup] = []
-    for g, group in enumerate(groups):
-        trajectories = []
-        for i, trajectory in enumerate(group.trajectories):
-            # every trajectory is marked (failed ones, not branched, with no decision turns): the
-            # estimator tells "the step ran, nothing could be scored" from "the step did not run"
-            turns = tuple(
-                turn.model_copy(update={"metrics": {**turn.metrics, **scores[(g, i, t)]}}) if (g, i, t) in scores else turn
-                for t, turn in enumerate(trajectory.turns)
-            )
-            decided = chosen.get((g, i), [])
-            marker = {"decision_turns": decided, "scored_turns": [t for t in decided if (g, i, t) in scores],
-                      "k": k, "m": m, "reach": mode}
-            trajectories.append(trajectory.model_copy(update={"turns": turns, "info": {**trajectory.info, INFO_KEY: marker}}))
-        out.append(group.model_copy(update={"trajectories": tuple(trajectories)}))
+        await _take_snapshots(points, chosen, make_env)  # 2. one checked replay per trajectory
+    await _sample_alternatives(points, k, sampler, renderer, config, seed, stats)  # 3. K-1 alternatives per point
+    await _play_continuations(points, m, make_env, sampler, renderer, config, stats)  # 4. M continuations per action
+    scores = _leave_one_out_scores(points, stats)  # 5. Q_k and the advantage of the actual action
+    out = _marked_groups(groups, scores, chosen, k, m, mode)
     stats.wall_time_s = time.perf_counter() - t0
-    if stats.decision_points and stats.scored < stats.decision_points:
-        log.warning("mc_continuation: %d of %d decision turns not scored (their continuations failed: %s)",
-                    stats.decision_points - stats.scored, stats.decision_points, "; ".join(stats.errors[:3]))
+    _warn_unscored(stats)
     return out, stats
 
 
@@ -509,6 +376,203 @@ def score_mc_continuation(
         groups, sampler, renderer, env, env_options, tasks, decision_turns=decision_turns, k=k, m=m, config=config,
         temperature=temperature, max_turns=max_turns, seed=seed, reach=reach,
     ))
+
+
+# --- the steps of score_mc_continuation_async, in order ------------------------------------------
+
+
+def _check_k_m(k: int, m: int) -> None:
+    if k < 2:
+        raise ValueError(f"mc_continuation needs k >= 2 actions per decision turn (a leave-one-out baseline), got {k}")
+    if m < 1:
+        raise ValueError(f"mc_continuation needs m >= 1 continuations per action, got {m}")
+
+
+def _continuation_config(config: RolloutConfig | None, temperature: float | None, max_turns: int | None,
+                         seed: int | None) -> RolloutConfig:
+    """The rollout config of the continuations: ``config`` (default: ``RolloutConfig()``) with seed
+    ``seed + 1`` (the alternatives use ``seed`` itself) and the ``temperature``/``max_turns`` overrides."""
+    config = config or RolloutConfig()
+    update: dict[str, Any] = {"seed": None if seed is None else seed + 1}
+    if temperature is not None:
+        update["temperature"] = temperature
+    if max_turns is not None:
+        update["max_turns"] = max_turns
+    return config.model_copy(update=update)
+
+
+def _probe_branch_mode(make_env: Callable[[], Env], reach: Reach) -> Literal["snapshot", "replay"]:
+    """How the branch points are reached, decided on one env built (and closed) for that."""
+    probe = make_env()
+    try:
+        return branch_mode(probe, reach)
+    finally:
+        probe.close()
+
+
+def _decision_points(groups: Sequence[TrajectoryGroup], decision_turns: DecisionTurns,
+                     by_id: dict[str, Task]) -> tuple[list[_Point], dict[tuple[int, int], list[int]]]:
+    """The decision points, each holding its recorded action, and the turns chosen per trajectory
+    ``(g, i)``; failed trajectories and those with no turns are not branched."""
+    points: list[_Point] = []
+    chosen: dict[tuple[int, int], list[int]] = {}
+    for g, group in enumerate(groups):
+        for i, trajectory in enumerate(group.trajectories):
+            if trajectory.end_reason in FAILED_END_REASONS or not trajectory.turns:
+                continue
+            turns = decision_turn_indices(len(trajectory.turns), decision_turns)
+            if not turns:
+                continue
+            if trajectory.task_id not in by_id:
+                raise ValueError(f"mc_continuation: no Task with id {trajectory.task_id!r} among the tasks given")
+            chosen[(g, i)] = turns
+            for t in turns:
+                points.append(_Point(g, i, t, trajectory, by_id[trajectory.task_id],
+                                     actions=[recorded_action(trajectory.turns[t])]))
+    return points, chosen
+
+
+async def _take_snapshots(points: list[_Point], chosen: dict[tuple[int, int], list[int]],
+                          make_env: Callable[[], Env]) -> None:
+    """Set every point's snapshot: one checked replay per trajectory, a snapshot before each of its
+    decision turns (the trajectories concurrently)."""
+    async def snap(g: int, i: int) -> None:
+        mine = {p.t: p for p in points if (p.g, p.i) == (g, i)}
+        first = next(iter(mine.values()))
+        taken = await snapshots_before(make_env, first.task, first.trajectory, sorted(mine))
+        for t, snapshot in taken.items():
+            mine[t].snapshot = snapshot
+
+    await asyncio.gather(*(snap(g, i) for g, i in chosen))
+
+
+async def _sample_alternatives(points: list[_Point], k: int, sampler: Any, renderer: Any, config: RolloutConfig,
+                               seed: int | None, stats: MCStats) -> None:
+    """Append K-1 sampled actions to every point: prompt = turn t's ``prompt_ids``, in batched
+    ``generate`` calls of at most ``config.concurrency`` prompts."""
+    rows = [(p, _turn_budget(p.trajectory, p.t, config)) for p in points for _ in range(k - 1)]
+    rows = [(p, b) for p, b in rows if b > 0]
+    width = max(config.concurrency, 1)
+    for call, start in enumerate(range(0, len(rows), width)):
+        chunk = rows[start : start + width]
+        params = SamplingParams(
+            temperature=config.temperature, top_p=config.top_p, max_tokens=max(b for _, b in chunk),
+            stop_token_ids=tuple(renderer.stop_token_ids),
+            seed=None if seed is None else (seed * 1_000_003 + call) % (2**63),
+        )
+        prompts = [list(p.trajectory.turns[p.t].prompt_ids) for p, _ in chunk]
+        outs = await asyncio.to_thread(sampler.generate, prompts, params)
+        if len(outs) != len(chunk):
+            raise RuntimeError(f"engine returned {len(outs)} results for {len(chunk)} prompts")
+        stats.generate_calls += 1
+        for (p, budget), gens in zip(chunk, outs):
+            gen = cut_generation(gens[0], budget)
+            parsed = renderer.parse_completion(gen.token_ids)
+            tokens = TokenData(tuple(p.trajectory.turns[p.t].prompt_ids), tuple(gen.token_ids), gen.logprobs,
+                               gen.finish_reason)
+            p.actions.append(Action(message=parsed.message, parse_errors=tuple(parsed.errors), tokens=tokens))
+            stats.alternatives += 1
+            stats.sampled_tokens += len(gen.token_ids)
+            stats.identical_alternatives += int(tuple(gen.token_ids) == tuple(p.trajectory.turns[p.t].completion_ids))
+
+
+async def _play_continuations(points: list[_Point], m: int, make_env: Callable[[], Env], sampler: Any, renderer: Any,
+                              config: RolloutConfig, stats: MCStats) -> None:
+    """Fill every point's ``returns``: M continuations per action, all through the episode loop and the
+    batcher at once. Raises the first :class:`ReplayMismatch` any of them met."""
+    mismatches: list[ReplayMismatch] = []
+    episodes, index = _continuation_episodes(points, m, make_env, mismatches)
+    if not episodes:
+        if stats.generate_calls:
+            stats.mean_batch_size = stats.alternatives / stats.generate_calls
+        return
+    result = await run_prefixed_episodes(None, episodes, sampler, renderer, config, policy_name="mc_continuation")
+    if mismatches:
+        raise mismatches[0]
+    _add_continuation_stats(stats, len(episodes), result.stats)
+    for (n, a), trajectory in zip(index, result.trajectories):
+        p = points[n]
+        if trajectory.end_reason in FAILED_END_REASONS:
+            if config.on_env_error != "zero_reward":
+                continue  # excluded: left out of Q
+            trajectory = zero_reward(trajectory)  # counts 0, as every other zero-rewarded episode
+        p.returns[a].append(sum(turn.reward for turn in trajectory.turns[p.t:]))
+
+
+def _continuation_episodes(points: list[_Point], m: int, make_env: Callable[[], Env],
+                           mismatches: list[ReplayMismatch]) -> tuple[list[PrefixedEpisode], list[tuple[int, int]]]:
+    """M episodes per action of every point (recorded prefix, then the action), each on a
+    :class:`BranchEnv` that appends to ``mismatches``, and the ``(point, action)`` of each; empties
+    every point's ``returns``."""
+    episodes: list[PrefixedEpisode] = []
+    index: list[tuple[int, int]] = []  # (point, action)
+    for n, p in enumerate(points):
+        prefix = tuple(recorded_action(turn) for turn in p.trajectory.turns[: p.t])
+        p.returns = [[] for _ in p.actions]
+        for a, action in enumerate(p.actions):
+            factory = (lambda p=p: BranchEnv(make_env, p.trajectory, p.t, p.snapshot, mismatches))
+            for j in range(m):
+                episodes.append(PrefixedEpisode(p.task, prefix + (action,), factory, sample_index=j))
+                index.append((n, a))
+    return episodes, index
+
+
+def _add_continuation_stats(stats: MCStats, episodes: int, run: Any) -> None:
+    """Add the continuations' run stats (``run``, the batcher's) to those of the alternatives."""
+    stats.continuations = episodes
+    stats.failed_continuations = run.failed
+    stats.errors = list(run.errors)
+    stats.sampled_tokens += run.generated_tokens
+    # one row per alternative in the sampling calls, then the batcher's rows
+    calls = stats.generate_calls + run.generate_calls
+    rows = stats.alternatives + round(run.mean_batch_size * run.generate_calls)
+    stats.generate_calls = calls
+    stats.mean_batch_size = rows / calls if calls else 0.0
+
+
+def _leave_one_out_scores(points: list[_Point], stats: MCStats) -> dict[tuple[int, int, int], dict[str, float]]:
+    """The turn metrics of every scored point, by ``(g, i, t)``: ``Q_k`` as the mean continuation return,
+    ``A_0 = Q_0 - mean_{l != 0} Q_l``. A point is not scored when its actual action or all its
+    alternatives have no continuation left."""
+    scores: dict[tuple[int, int, int], dict[str, float]] = {}
+    for p in points:
+        q = [sum(r) / len(r) if r else None for r in p.returns]
+        others = [v for v in q[1:] if v is not None]
+        if q[0] is None or not others:
+            continue
+        baseline = sum(others) / len(others)
+        scores[(p.g, p.i, p.t)] = {METRIC: q[0] - baseline, "mc_q": q[0], "mc_baseline": baseline}
+    stats.scored = len(scores)
+    if scores:
+        stats.advantage_abs_mean = sum(abs(s[METRIC]) for s in scores.values()) / len(scores)
+    return scores
+
+
+def _marked_groups(groups: Sequence[TrajectoryGroup], scores: dict[tuple[int, int, int], dict[str, float]],
+                   chosen: dict[tuple[int, int], list[int]], k: int, m: int, mode: str) -> list[TrajectoryGroup]:
+    """Copies of ``groups`` with the scores on their turns and the ``INFO_KEY`` marker on every trajectory."""
+    out: list[TrajectoryGroup] = []
+    for g, group in enumerate(groups):
+        trajectories = []
+        for i, trajectory in enumerate(group.trajectories):
+            # every trajectory is marked (failed ones, not branched, with no decision turns): the
+            # estimator tells "the step ran, nothing could be scored" from "the step did not run"
+            turns = tuple(
+                turn.model_copy(update={"metrics": {**turn.metrics, **scores[(g, i, t)]}}) if (g, i, t) in scores else turn
+                for t, turn in enumerate(trajectory.turns)
+            )
+            decided = chosen.get((g, i), [])
+            marker = {"decision_turns": decided, "scored_turns": [t for t in decided if (g, i, t) in scores],
+                      "k": k, "m": m, "reach": mode}
+            trajectories.append(trajectory.model_copy(update={"turns": turns, "info": {**trajectory.info, INFO_KEY: marker}}))
+        out.append(group.model_copy(update={"trajectories": tuple(trajectories)}))
+    return out
+
+
+def _warn_unscored(stats: MCStats) -> None:
+    if stats.decision_points and stats.scored < stats.decision_points:
+        log.warning("mc_continuation: %d of %d decision turns not scored (their continuations failed: %s)",
+                    stats.decision_points - stats.scored, stats.decision_points, "; ".join(stats.errors[:3]))
 
 
 __all__ = [
