@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,8 +28,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tracegym demo
 
+# one pytest worker per core (pytest-xdist); tests/conftest.py gives each worker one compute thread
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
+
+# the edit loop (under 2 minutes): everything but the end-to-end files (training runs and their
+# exact resume, CLI subprocesses, Ray, the real SmolLM2, sandboxed code, servers); make test runs all
+FAST_SKIP := memory_flat preference models rl serve_openai executors cli_plugins rollout env_code team_rl \
+	distill distill_remote_teacher demo rl_learning_holds seeds env_terminal env_mcp rl_plugins curriculum \
+	report export rollout_strategies sft continuous_batching mc_continuation tree injection selfplay
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 $(foreach f,$(FAST_SKIP),--ignore=tests/test_$(f).py)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

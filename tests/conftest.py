@@ -4,6 +4,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # make test runs one worker per core: a worker (and the CLI subprocesses it starts) computes on
+    # one thread, or two workers' OpenMP threads would fight over 2 cores (10-20x slower, FACTS.md)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest
 

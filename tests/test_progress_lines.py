@@ -14,7 +14,8 @@ from typing import Sequence
 
 from tracegym.cli import hide_dependency_future_warnings, main
 from tracegym.envs.base import Env, Task
-from tracegym.rollout import _progress_bar, run_rollouts_sync
+from tracegym.rollout import run_rollouts_sync
+from tracegym.rollout.runner import _progress_bar
 from tracegym.train.logging import ProgressBar
 from tracegym.types import Message, ParsedCompletion, StepResult
 

@@ -251,6 +251,7 @@ def test_lora_model_shares_the_prefix_too():
     from tracegym.train.lora import prepare_model
 
     model, _ = load("tiny-random")
+    torch.manual_seed(0)  # lora_A is drawn from the global generator: the same weights whatever ran before
     model = prepare_model(model, LoraConfig(r=4)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
