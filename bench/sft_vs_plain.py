@@ -59,7 +59,8 @@ def build_job(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tracegym.data.store import TrajectoryWriter
     from tracegym.envs import make
     from tracegym.models import DEFAULT_MODEL, build_smollm2_cache, load_tokenizer, resolve_model_name
-    from tracegym.recipes.sft import epoch_order, load_sft_examples
+    from tracegym.recipes._run import epoch_order
+    from tracegym.recipes.sft import load_sft_examples
     from tracegym.render import get_renderer
     from tracegym.rollout import RolloutConfig, run_rollouts_sync
 

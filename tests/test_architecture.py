@@ -197,3 +197,26 @@ def test_the_documented_layers_are_the_checked_ones():
         for prefix in prefixes:
             if prefix != "tracegym":
                 assert f"`{prefix.removeprefix('tracegym.')}" in text, prefix
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions of the package longer than ``limit`` lines (def line to last line, decorators left out)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_is_over_100_lines(tmp_path):
+    """Loops read like their docstrings (docs/architecture.md); a long function is split into named steps."""
+    assert long_functions() == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f():\n" + "    x = 1\n" * 100, encoding="utf-8")
+    assert long_functions(tmp_path / "pkg") == ["pkg/m.py:1 f (101 lines)"]

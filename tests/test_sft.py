@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from tracegym.config import SFTConfig, load_config
 from tracegym.data.store import TrajectoryWriter
-from tracegym.recipes.sft import epoch_order, load_sft_examples, train_sft
+from tracegym.recipes._run import epoch_order
+from tracegym.recipes.sft import load_sft_examples, train_sft
 from tracegym.render import get_renderer
 from tracegym.train.checkpoint import list_checkpoints
 from tracegym.train.logging import read_metrics

@@ -73,10 +73,11 @@ from tracegym.algos.aggregation import aggregate, masked_mean
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import Batch, examples_from_groups, make_batch, split_microbatches
 from tracegym.config import DistillConfig, TeacherConfig, dump_config
+from tracegym.recipes._run import check_run_dir
 from tracegym.rl.collect import collect_groups, evaluate_policy, rollout_metrics
 from tracegym.rl.policy import load_policy, make_renderer, make_sampler
 from tracegym.rl.tasks import tasks_at
-from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
+from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import forward_logits, pad_front
 from tracegym.train.lora import count_parameters
@@ -585,8 +586,7 @@ def prepare_run(cfg: DistillConfig, resume: bool) -> DistillRun:
     from tracegym.envs import make
 
     run_dir = Path(cfg.output_dir)
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     loss_cfg = policy_loss_config(cfg)
     probe = make(cfg.env.name, **cfg.env.options)  # a bad env name/option fails before any model loads
     train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)

@@ -52,9 +52,9 @@ from tracegym.data.pairs import (
     write_pairs,
 )
 from tracegym.data.store import read_trajectories_checked
-from tracegym.recipes.sft import epoch_order
+from tracegym.recipes._run import check_run_dir, next_in_epoch, restore_epoch_cursor
 from tracegym.render import get_renderer
-from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
+from tracegym.train.checkpoint import save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs
 from tracegym.train.lora import count_parameters, prepare_model, starting_reference
@@ -389,7 +389,7 @@ def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = N
     final_dir = None
     try:
         while run.step < run.total_steps:
-            batch = next_batch(run)                 # 4. the epoch's seeded order; moves the data cursor
+            batch = next_in_epoch(run, run.items)                 # 4. the epoch's seeded order; moves the data cursor
             run.step += 1
             metrics = train_step(run, batch)        # 4-5. (KTO's z0,) accumulate, clip, AdamW, schedule
             if run.step % cfg.logging.log_every == 0 or run.step == run.total_steps:
@@ -426,8 +426,7 @@ def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
     build the optimizer and schedule, restore the latest checkpoint (``resume``) and log step 0."""
     run_dir = Path(cfg.output_dir)
     opts = resolve_loss(cfg)  # a bad loss name or option fails before anything loads
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     records, build_counts = load_preference_records(cfg, opts, run_dir)
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
@@ -450,7 +449,7 @@ def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
     run = DPORun(cfg, opts, run_dir, device, model, tokenizer, reference, pad_id, items, steps_per_epoch, total_steps,
                  _digest(items), optimizer, scheduler)
     if resume:
-        restore(run)
+        restore_epoch_cursor(run)
     run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
     if run.step == 0:
@@ -459,34 +458,6 @@ def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
                            **{f"data/{k}": v for k, v in {**build_counts, **data.counts}.items()}})
     run.progress = ProgressBar(total_steps, cfg.loss.name, enabled=cfg.logging.progress, completed=run.step)
     return run
-
-
-def restore(run: DPORun) -> None:
-    """Weights, optimizer, schedule, step and data cursor from the latest checkpoint (if any); one
-    trained on other data, seed, batch size or shuffling is refused."""
-    cfg = run.cfg
-    checkpoint = latest_checkpoint(run.run_dir)
-    if checkpoint is None:
-        return
-    restored = load_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
-    cursor = restored.state["data"]
-    same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
-        run.data_digest, cfg.seed, cfg.batch_size, cfg.data.shuffle)
-    if not same:
-        raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
-    run.step, run.epoch, run.position = restored.step, cursor["epoch"], cursor["position"]
-    print(f"resumed from {checkpoint} (step {run.step}, epoch {run.epoch}, batch {run.position})")
-
-
-def next_batch(run: DPORun) -> list[PreferenceItem]:
-    """The next ``batch_size`` items in the epoch's seeded order (a new epoch, a new order)."""
-    cfg = run.cfg
-    if run.position == run.steps_per_epoch:  # epoch done: the next one has its own order
-        run.epoch, run.position = run.epoch + 1, 0
-    order = epoch_order(len(run.items), cfg.seed, run.epoch, cfg.data.shuffle)
-    batch = [run.items[i] for i in order[run.position * cfg.batch_size:(run.position + 1) * cfg.batch_size]]
-    run.position += 1
-    return batch
 
 
 def train_step(run: DPORun, batch: list[PreferenceItem]) -> dict[str, Any]:

@@ -63,12 +63,13 @@ from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import InjectionEnv
+from tracegym.recipes._run import check_run_dir
 from tracegym.rl.collect import drop_overlong, evaluate_policy, guide_groups, rollout_metrics, starting_probe
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.executors.factory import make_executor
 from tracegym.rl.policy import load_policy, make_renderer, make_sampler
 from tracegym.rl.scoring import score_and_estimate
-from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_final
+from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_final
 from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
 from tracegym.train.guidance import guidance_rows, shape_guidance, without_guidance
 from tracegym.train.health import HealthMonitor, group_health, mutual_information_proxy
@@ -218,8 +219,7 @@ def prepare_run(cfg: RLConfig, resume: bool) -> RLRun:
     from tracegym.envs import make
 
     run_dir = Path(cfg.output_dir)
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
     problems = estimator_problems(cfg.advantage.estimator, cfg.advantage.options)
     if problems:  # a bad estimator name or option fails before anything loads

@@ -37,13 +37,14 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.hierarchical import hierarchical_advantages, learnability_reward
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
+from tracegym.recipes._run import check_run_dir
 from tracegym.recipes.team import build_pool, restore_pool, role_adapters, sync_adapters
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.policy import make_renderer, make_sampler
 from tracegym.rl.tasks import tasks_at
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout.team import with_adapter
-from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
+from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_team_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.policy_update import policy_update, score_batch
 from tracegym.train.result import TrainResult
@@ -184,8 +185,7 @@ def prepare_run(cfg: RLConfig, resume: bool) -> SelfPlayRun:
     sp = cfg.selfplay
     assert sp is not None
     run_dir = Path(cfg.output_dir)
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
     proposer_env = make(cfg.env.name, **cfg.env.options)
     if not callable(getattr(proposer_env, "solver_task_from", None)):

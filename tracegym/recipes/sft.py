@@ -39,8 +39,9 @@ from tracegym.algos.sft import sft_loss
 from tracegym.batch import make_batch, split_microbatches
 from tracegym.config import SFTConfig, dump_config
 from tracegym.data.store import read_trajectories_checked
+from tracegym.recipes._run import check_run_dir, epoch_order, next_in_epoch, restore_epoch_cursor  # noqa: F401  (epoch_order re-exported)
 from tracegym.render import BuildStats, get_renderer
-from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_final
+from tracegym.train.checkpoint import save_checkpoint, save_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.logprobs import token_logprobs
 from tracegym.train.lora import count_parameters, prepare_model
@@ -123,13 +124,6 @@ def _digest(examples: Sequence[TrainingExample]) -> str:
     return h.hexdigest()[:16]
 
 
-def epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The example order of one epoch: a pure function of (seed, epoch), so resume needs no RNG state."""
-    if not shuffle:
-        return np.arange(num_examples)
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
 def accumulate_sft_gradients(
     model: torch.nn.Module,
     examples: Sequence[TrainingExample],
@@ -209,7 +203,7 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
     final_dir = None
     try:
         while run.step < run.total_steps:
-            batch = next_batch(run)                 # 3. the epoch's seeded order; moves the data cursor
+            batch = next_in_epoch(run, run.examples)                 # 3. the epoch's seeded order; moves the data cursor
             run.step += 1
             metrics = train_step(run, batch)        # 3-4. accumulate, clip, AdamW step, schedule step
             end_of_step(run, metrics)               # evaluate when due, log
@@ -266,8 +260,7 @@ def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
     missing = [f for f in [*cfg.data.train_files, *cfg.data.eval_files] if not Path(f).is_file()]
     if not cfg.data.train_files or missing:
         raise FileNotFoundError(f"trajectory file(s) not found: {missing}" if missing else "data.train_files is empty")
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,7 +275,7 @@ def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
     run = SFTRun(cfg, run_dir, device, model, tokenizer, pad_id, train, examples, eval_examples, steps_per_epoch,
                  total_steps, _digest(examples), optimizer, scheduler)
     if resume:
-        restore(run)
+        restore_epoch_cursor(run)
     run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
     if run.step == 0:
@@ -291,34 +284,6 @@ def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
                            **{f"data/{k}": v for k, v in train.counts.items()}})
     run.progress = ProgressBar(total_steps, "sft", enabled=cfg.logging.progress, completed=run.step)
     return run
-
-
-def restore(run: SFTRun) -> None:
-    """Weights, optimizer, schedule, step and data cursor from the latest checkpoint (if any); one
-    trained on other data, seed, batch size or shuffling is refused."""
-    cfg = run.cfg
-    checkpoint = latest_checkpoint(run.run_dir)
-    if checkpoint is None:
-        return
-    restored = load_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
-    cursor = restored.state["data"]
-    same = (cursor["digest"], cursor["seed"], cursor["batch_size"], cursor["shuffle"]) == (
-        run.data_digest, cfg.seed, cfg.batch_size, cfg.data.shuffle)
-    if not same:
-        raise ValueError(f"{checkpoint} was trained on other data, seed, batch size or shuffling; cannot resume")
-    run.step, run.epoch, run.position = restored.step, cursor["epoch"], cursor["position"]
-    print(f"resumed from {checkpoint} (step {run.step}, epoch {run.epoch}, batch {run.position})")
-
-
-def next_batch(run: SFTRun) -> list[TrainingExample]:
-    """The next ``batch_size`` examples in the epoch's seeded order (a new epoch, a new order)."""
-    cfg = run.cfg
-    if run.position == run.steps_per_epoch:  # epoch done: the next one has its own order
-        run.epoch, run.position = run.epoch + 1, 0
-    order = epoch_order(len(run.examples), cfg.seed, run.epoch, cfg.data.shuffle)
-    batch = [run.examples[i] for i in order[run.position * cfg.batch_size:(run.position + 1) * cfg.batch_size]]
-    run.position += 1
-    return batch
 
 
 def train_step(run: SFTRun, batch: list[TrainingExample]) -> dict[str, Any]:

@@ -49,13 +49,14 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
+from tracegym.recipes._run import check_run_dir
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.policy import make_renderer, make_sampler
 from tracegym.rl.tasks import tasks_at
 from tracegym.rollout import RolloutConfig, RolloutResult
 from tracegym.rollout.team import group_by_role, role_of, run_team_rollouts_sync, score_team_counterfactual
 from tracegym.train.adapter_pool import AdapterPool
-from tracegym.train.checkpoint import list_checkpoints, load_latest_intact, save_checkpoint, save_team_final
+from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_team_final
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters
 from tracegym.train.policy_update import policy_update, score_batch
@@ -262,8 +263,7 @@ def prepare_run(cfg: RLConfig, resume: bool) -> TeamRun:
     from tracegym.models import load
 
     run_dir = Path(cfg.output_dir)
-    if not resume and list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue, or pick another output_dir")
+    check_run_dir(run_dir, resume)
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
     problems = estimator_problems(cfg.advantage.estimator, cfg.advantage.options)
     if problems:
