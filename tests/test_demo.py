@@ -58,7 +58,9 @@ def test_the_rl_stage_takes_the_demo_settings():
                                        rl_guidance=True, rl_reward_parts={"answer": 1.0, "calls": 0.3},
                                        rl_max_policy_drift=0.02), "a", "b")
     assert holds.optim.lr == 3e-4 / 8 and holds.optim.warmup_steps == 2
-    assert holds.guidance is not None and holds.max_policy_drift == 0.02
+    assert holds.guidance is not None and holds.guidance.groups == "all_failed" and holds.max_policy_drift == 0.02
+    every = rl_stage_config(DemoConfig(rl_guidance=True, rl_guidance_groups="every"), "a", "b")
+    assert every.guidance is not None and every.guidance.groups == "every"
     assert holds.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
     assert holds.rollout.temperature == holds.eval.temperature == DemoConfig().temperature
     # the one-call main job keeps the settings its README block was measured with

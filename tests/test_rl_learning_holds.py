@@ -69,6 +69,8 @@ def test_guidance_gives_the_expert_a_positive_advantage_and_the_failures_negativ
     groups = [TrajectoryGroup(env="t", task_id="a", trajectories=failures),
               TrajectoryGroup(env="t", task_id="b", trajectories=(_episode("b", 0, 1.0), _episode("b", 1, 0.0)))]
     assert needs_guidance(groups, GuidanceConfig()) == [0]  # only the all-failure group
+    assert needs_guidance(groups, GuidanceConfig(groups="every")) == [0, 1]  # LUFFY's mixed-policy setting
+    assert needs_guidance(groups, GuidanceConfig(groups="every", max_groups_per_step=1)) == [0]
     expert = _episode("a", 0, 1.0).model_copy(update={"policy": "expert"})
     guided, count = add_guidance(groups, {"a": expert})
     assert count == 1 and len(guided[0].trajectories) == 4 and guided[1] is groups[1]
@@ -76,6 +78,11 @@ def test_guidance_gives_the_expert_a_positive_advantage_and_the_failures_negativ
     advantages = estimate("grpo", guided).advantages[0]
     assert advantages[3][0] > 0 and all(a[0] < 0 for a in advantages[:3])
     assert sum(a[0] for a in advantages) == pytest.approx(0.0, abs=1e-9)
+    # in a group that has a success, the guide (reward 1) still gets a positive advantage
+    both, count = add_guidance(groups, {"a": expert, "b": expert.model_copy(update={"task_id": "b"})}, [0, 1])
+    mixed = estimate("grpo", both).advantages[1]
+    assert count == 2 and len(both[1].trajectories) == 3 and mixed[2][0] > 0 and mixed[1][0] < 0
+    assert sum(a[0] for a in mixed) == pytest.approx(0.0, abs=1e-9)
     # a failed guide is not added: an all-failure group stays without signal
     assert add_guidance(groups, {"a": _episode("a", 0, 0.0)})[1] == 0
 

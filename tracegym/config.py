@@ -609,7 +609,13 @@ class HealthConfig(_Section):
 
 class GuidanceConfig(_Section):
     """Off-policy guidance (LUFFY) for all-failure groups: one expert trajectory joins each group
-    whose samples all failed, before advantages, with LUFFY's shaped importance weight."""
+    whose samples all failed (or every group), before advantages, with LUFFY's shaped importance weight."""
+
+    groups: Literal["all_failed", "every"] = "all_failed"
+    """Which groups get the expert trajectory: ``all_failed`` (only groups without a success: they
+    carry no signal otherwise) or ``every`` (LUFFY's own mixed-policy setting, one off-policy trace
+    in every group: where the policy is unsure, the expert's decision gets a positive advantage in
+    its own context, which anchors decisions that an on-policy update would shift everywhere)."""
 
     source: Literal["expert"] = "expert"
     """Where the guidance trajectory comes from: ``expert`` (the env's scripted ``expert_action``,
@@ -617,7 +623,7 @@ class GuidanceConfig(_Section):
     the start (one expert episode is played before training)."""
 
     max_groups_per_step: int | None = Field(None, gt=0)
-    """At most this many groups get guidance per step (None: every all-failure group)."""
+    """At most this many groups get guidance per step (None: every group that ``groups`` picks)."""
 
     shaping_gamma: float = Field(0.1, gt=0)
     """LUFFY's policy shaping ``f(x) = x / (x + gamma)``: smaller gamma weighs unlikely tokens more."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -97,6 +97,10 @@ class DemoConfig(_Section):
     rl_guidance: bool = False
     """LUFFY guidance: a group whose samples all failed gets the env's expert trajectory (with
     LUFFY's shaped importance weight) before advantages, so it carries signal (``RLConfig.guidance``)."""
+
+    rl_guidance_groups: Literal["all_failed", "every"] = "all_failed"
+    """With ``rl_guidance``: which groups get the expert trajectory (``GuidanceConfig.groups``):
+    ``all_failed``, or ``every`` group (LUFFY's mixed-policy setting)."""
 
     rl_reward_parts: dict[str, float] | None = None
     """Reward parts of the RL env (``env_options`` + ``reward_parts``; docs/environments.md, "Reward
@@ -257,7 +261,7 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         advantage={"estimator": cfg.rl_estimator},
         policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
-        guidance={} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
+        guidance={"groups": cfg.rl_guidance_groups} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
         eval={"every": 0, "at_start": False, "temperature": cfg.temperature}, seed=cfg.seed, output_dir=str(output_dir),
         checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
     )

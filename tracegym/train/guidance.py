@@ -37,8 +37,9 @@ def all_failed(group: TrajectoryGroup) -> bool:
 
 
 def needs_guidance(groups: Sequence[TrajectoryGroup], cfg: GuidanceConfig) -> list[int]:
-    """Indices of the groups that get a guidance trajectory this step."""
-    chosen = [g for g, group in enumerate(groups) if all_failed(group)]
+    """Indices of the groups that get a guidance trajectory this step (``cfg.groups``: the all-failure
+    ones, or every group)."""
+    chosen = [g for g, group in enumerate(groups) if cfg.groups == "every" or all_failed(group)]
     return chosen if cfg.max_groups_per_step is None else chosen[: cfg.max_groups_per_step]
 
 
