@@ -199,6 +199,32 @@ def test_the_documented_layers_are_the_checked_ones():
                 assert f"`{prefix.removeprefix('tracegym.')}" in text, prefix
 
 
+# Inside ``tracegym.config`` (docs/architecture.md): ``_base`` <- ``shared`` <- one module per recipe
+# (never importing each other) <- the package's ``__init__``, which re-exports every name.
+CONFIG_RANK = {"tracegym.config._base": 0, "tracegym.config.shared": 1, "tracegym.config": 3}  # recipe modules: 2
+
+
+def config_climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between modules of ``tracegym.config`` that do not go down that order."""
+    def inside(name: str) -> bool:
+        return name == "tracegym.config" or name.startswith("tracegym.config.")
+
+    def rank(name: str) -> int:
+        return CONFIG_RANK.get(name, 2)
+
+    return [f"{name} imports {target}" for name, targets in sorted(graph.items()) if inside(name)
+            for target in sorted(targets) if inside(target) and rank(target) >= rank(name)]
+
+
+def test_config_modules_import_only_those_below_them(graph):
+    assert config_climbs(graph) == []
+    assert layer_of("tracegym.config.rl") == layer_of("tracegym.config._base") == layer_of("tracegym.config") == 1
+    fake = {"tracegym.config.shared": {"tracegym.config.rl"}, "tracegym.config.rl": {"tracegym.config.distill"},
+            "tracegym.config.distill": {"tracegym.config.shared"}, "tracegym.config": {"tracegym.config.rl"}}
+    assert config_climbs(fake) == ["tracegym.config.rl imports tracegym.config.distill",
+                                   "tracegym.config.shared imports tracegym.config.rl"]
+
+
 MAX_FUNCTION_LINES = 100
 
 

@@ -146,6 +146,17 @@ class Registry(Generic[F]):
                 " (a plugin module adds more: --plugin MODULE or plugins: [MODULE])"
             ) from None
 
+    def problems(self, name: str, options: dict[str, Any] | None, name_key: str, options_key: str) -> list[str]:
+        """One line per problem with ``name`` (config key ``name_key``) or its options (``options_key``);
+        [] when both are fine. For ``check`` commands, which report every problem at once."""
+        try:
+            self.entry(name).parse_options(options)
+        except KeyError as error:
+            return [f"{name_key}: {error.args[0]}"]
+        except ValueError as error:  # pydantic's ValidationError names every bad key
+            return [f"{options_key} of {name!r}: {' '.join(str(error).split())}"]
+        return []
+
     def get(self, name: str) -> F:
         """The registered function (KeyError with the registered names if unknown)."""
         return self.entry(name).fn

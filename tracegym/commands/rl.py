@@ -42,7 +42,9 @@ def check_policy_loss(options: dict) -> None:
 
 def check_config(cfg: object) -> None:
     """Sections ``RLConfig`` cannot validate alone: ``policy_loss``, ``advantage`` (the estimator's
-    options model), ``rollout.strategy`` (a registered strategy and its options) and ``env`` (its name and options, read from the env factory's signature). Raises
+    options model), ``rollout.strategy`` (a registered strategy and its options), ``advantage.intrinsic`` (a
+    registered scoring pass and its options) and ``env`` (its name and options, read from the env
+    factory's signature). Raises
     one ``ConfigError`` listing every problem."""
     from tracegym.algos import estimator_problems
     from tracegym.commands._config import check_env_config
@@ -58,6 +60,9 @@ def check_config(cfg: object) -> None:
     from tracegym.rollout.strategies import strategy_problems
 
     problems.extend(strategy_problems(cfg.rollout.strategy, cfg.rollout.strategy_options))  # type: ignore[attr-defined]
+    from tracegym.rl.scoring import scoring_problems
+
+    problems.extend(scoring_problems(cfg.advantage.intrinsic, cfg.advantage.intrinsic_options))  # type: ignore[attr-defined]
     if problems:
         raise ConfigError(problems)
 

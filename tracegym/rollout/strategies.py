@@ -77,13 +77,7 @@ async def tree(job: RolloutJob, options: TreeConfig) -> RolloutResult:
 
 def strategy_problems(name: str, options: dict[str, Any] | None) -> list[str]:
     """One line per problem with a strategy name or its options ([] when both are fine)."""
-    try:
-        ROLLOUT_STRATEGIES.entry(name).parse_options(options)
-    except KeyError as error:
-        return [f"rollout.strategy: {error.args[0]}"]
-    except ValueError as error:  # pydantic's ValidationError names every bad key
-        return [f"rollout.strategy_options of {name!r}: {' '.join(str(error).split())}"]
-    return []
+    return ROLLOUT_STRATEGIES.problems(name, options, "rollout.strategy", "rollout.strategy_options")
 
 
 async def run_strategy(name: str, job: RolloutJob, options: Any = None) -> RolloutResult:

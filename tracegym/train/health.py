@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field
 
-# config.py imports this module for ``HealthConfig`` (after defining ``_Section``): torch is imported
-# inside the functions so that loading a config does not load torch
+# torch is imported inside the functions so that a config check that imports this module stays light
 from tracegym.config import HealthConfig  # noqa: F401  (re-exported: the section lives with the other config sections)
 from tracegym.types import TrajectoryGroup
 
