@@ -175,4 +175,13 @@ def masked_min_max(values: Tensor, mask: Tensor) -> tuple[float, float]:
     return float(selected.min()), float(selected.max())
 
 
-__all__ = ["AGGREGATIONS", "Aggregation", "LossNormalizers", "aggregate", "masked_mean", "masked_min_max", "trajectory_totals"]
+def require_one_shape(**tensors: Tensor) -> None:
+    """``ValueError`` naming every tensor and its shape (``a (2, 3), b (2, 4) and mask (2, 3) must have one
+    shape``) unless all of ``tensors`` have one shape."""
+    if len({tuple(t.shape) for t in tensors.values()}) > 1:
+        *first, last = [f"{name} {tuple(t.shape)}" for name, t in tensors.items()]
+        raise ValueError(f"{', '.join(first)} and {last} must have one shape")
+
+
+__all__ = ["AGGREGATIONS", "Aggregation", "LossNormalizers", "aggregate", "masked_mean", "masked_min_max",
+           "require_one_shape", "trajectory_totals"]

@@ -55,7 +55,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from tracegym.algos.aggregation import masked_mean
+from tracegym.algos.aggregation import masked_mean, require_one_shape
 from tracegym.algos.loss_inputs import LossInputs
 from tracegym.algos.ppo_clip import PPOClipOptions, ppo_clip_loss
 from tracegym.algos.registry import POLICY_LOSSES
@@ -108,11 +108,7 @@ def behaviour_weights(
         raise ValueError(f"behav_weight_mode must be 'mask' or 'clamp', got {mode!r}")
     if cap is not None and cap <= 0:
         raise ValueError(f"the behaviour weight cap must be positive, got {cap}")
-    if prox_logprobs.shape != behaviour_logprobs.shape or prox_logprobs.shape != mask.shape:
-        raise ValueError(
-            f"prox_logprobs {tuple(prox_logprobs.shape)}, behaviour_logprobs {tuple(behaviour_logprobs.shape)} "
-            f"and mask {tuple(mask.shape)} must have one shape"
-        )
+    require_one_shape(prox_logprobs=prox_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask)
     with torch.no_grad():
         trained = mask.bool()  # [B, T]
         known = trained  # [B, T]: trained tokens whose behaviour log-prob is known

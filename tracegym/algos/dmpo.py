@@ -22,7 +22,7 @@ from __future__ import annotations
 from pydantic import Field
 from torch import Tensor
 
-from tracegym.algos.dpo import dpo_loss
+from tracegym.algos.dpo import dpo_pair_loss
 from tracegym.algos.preference_inputs import PairLogps, PreferenceOptions
 from tracegym.algos.registry import PREFERENCE_LOSSES
 
@@ -51,10 +51,9 @@ class DMPOOptions(PreferenceOptions):
 
 @PREFERENCE_LOSSES.register("dmpo", options=DMPOOptions)
 def dmpo(inputs: PairLogps, opts: DMPOOptions) -> tuple[Tensor, dict[str, float]]:
-    """DMPO per pair [P] on the phi-weighted sequence log-probs in ``inputs``; DPO's metrics."""
-    loss = dpo_loss(inputs.policy_chosen, inputs.policy_rejected, inputs.reference_chosen, inputs.reference_rejected,
-                    opts.beta)
-    return loss, inputs.metrics(opts.beta)
+    """DMPO per pair [P] on the phi-weighted sequence log-probs in ``inputs``: DPO's loss and metrics
+    (the turn weights are in the log-probs already)."""
+    return dpo_pair_loss(inputs, opts.beta)
 
 
 __all__ = ["DMPOOptions", "dmpo", "dmpo_turn_weights"]

@@ -32,12 +32,18 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: T
     return -F.logsigmoid(beta * logits)  # [P]; logsigmoid is stable for large |logits|
 
 
+def dpo_pair_loss(inputs: PairLogps, beta: float) -> tuple[Tensor, dict[str, float]]:
+    """``dpo_loss`` per pair [P] on the sequence log-probs in ``inputs``, and DPO's metrics: accuracy,
+    reward margin, chosen/rejected log-ratio means."""
+    loss = dpo_loss(inputs.policy_chosen, inputs.policy_rejected, inputs.reference_chosen, inputs.reference_rejected,
+                    beta)
+    return loss, inputs.metrics(beta)
+
+
 @PREFERENCE_LOSSES.register("dpo", options=DPOOptions)
 def dpo(inputs: PairLogps, opts: DPOOptions) -> tuple[Tensor, dict[str, float]]:
     """DPO per pair [P]; metrics: accuracy, reward margin, chosen/rejected log-ratio means."""
-    loss = dpo_loss(inputs.policy_chosen, inputs.policy_rejected, inputs.reference_chosen, inputs.reference_rejected,
-                    opts.beta)
-    return loss, inputs.metrics(opts.beta)
+    return dpo_pair_loss(inputs, opts.beta)
 
 
-__all__ = ["DPOOptions", "dpo", "dpo_loss"]
+__all__ = ["DPOOptions", "dpo", "dpo_loss", "dpo_pair_loss"]

@@ -32,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tracegym.algos.aggregation import require_one_shape
 from tracegym.algos.registry import PREFERENCE_LOSSES
 
 PreferenceData = Literal["pairs", "labelled"]
@@ -65,11 +66,7 @@ def sequence_logps(
     trajectory per row. Returns [S] with ``S = num_owners`` (default ``owner.max() + 1``).
     Values at masked positions never reach the result, NaN or not (``where``, not a product).
     """
-    if token_logps.shape != loss_mask.shape or weights.shape != loss_mask.shape:
-        raise ValueError(
-            f"token_logps {tuple(token_logps.shape)}, loss_mask {tuple(loss_mask.shape)} and weights "
-            f"{tuple(weights.shape)} must have one shape"
-        )
+    require_one_shape(token_logps=token_logps, loss_mask=loss_mask, weights=weights)
     trained = loss_mask > 0
     per_row = torch.where(trained, token_logps * weights.to(token_logps.dtype), torch.zeros_like(token_logps)).sum(-1)  # [B]
     if owner is None:

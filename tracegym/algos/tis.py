@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracegym.algos.aggregation import masked_mean
+from tracegym.algos.aggregation import masked_mean, require_one_shape
 
 
 def truncated_importance_weights(
@@ -32,11 +32,7 @@ def truncated_importance_weights(
     """
     if cap <= 0:
         raise ValueError(f"the TIS cap must be positive, got {cap}")
-    if old_logprobs.shape != engine_logprobs.shape or old_logprobs.shape != mask.shape:
-        raise ValueError(
-            f"old_logprobs {tuple(old_logprobs.shape)}, engine_logprobs {tuple(engine_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must have one shape"
-        )
+    require_one_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, mask=mask)
     with torch.no_grad():
         valid = mask.bool()
         if rows_with_engine_logprobs is not None:

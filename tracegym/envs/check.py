@@ -568,7 +568,10 @@ async def acheck_env(
     timeout_s: float = 30.0,
     raise_on_failure: bool = True,
 ) -> CheckReport:
-    """Async version of :func:`check_env`."""
+    """Check an environment's invariants (see the module docstring). ``make_env`` is a registered
+    name or a zero-argument callable returning a fresh instance. Raises :class:`EnvCheckError`
+    listing every failure, or with ``raise_on_failure=False`` returns the report (``check_env`` runs
+    this for callers without an event loop)."""
     if n_tasks < 2:
         raise ValueError("check_env needs n_tasks >= 2")
     factory, name = _factory(make_env)
@@ -614,17 +617,8 @@ async def _checked_expert_episode(env: Env, task: Task, limit: int, timeout_s: f
         env.close()
 
 
-def check_env(
-    make_env: MakeEnv,
-    n_tasks: int = 20,
-    seed: int = 0,
-    min_expert_success: float = 0.95,
-    timeout_s: float = 30.0,
-    raise_on_failure: bool = True,
-) -> CheckReport:
-    """Check an environment's invariants (see the module docstring). ``make_env`` is a registered
-    name or a zero-argument callable returning a fresh instance. Raises :class:`EnvCheckError`
-    listing every failure, or with ``raise_on_failure=False`` returns the report."""
-    return asyncio.run(
-        acheck_env(make_env, n_tasks, seed, min_expert_success, timeout_s, raise_on_failure)
-    )
+def check_env(*args: Any, **kwargs: Any) -> CheckReport:
+    """``asyncio.run(acheck_env(...))``: check an environment's invariants (see the module docstring and
+    :func:`acheck_env` for the arguments). Raises :class:`EnvCheckError` listing every failure, or with
+    ``raise_on_failure=False`` returns the report."""
+    return asyncio.run(acheck_env(*args, **kwargs))

@@ -167,6 +167,30 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+async def _play_in_time(play: Awaitable[None], st: Any, timeout_s: float | None, episode: str,
+                        logger: logging.Logger = log) -> None:
+    """Await ``play`` (an episode's turns, filling ``st``) within ``timeout_s``: a timeout ends the episode
+    ``timeout``; any other exception ends it ``engine_error`` and is logged on ``logger`` with its
+    traceback (``episode`` names it in the message): a bug here must not kill the other episodes."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await play
+    except TimeoutError:
+        st.end("timeout", f"episode timed out after {timeout_s:g} s")
+    except Exception as exc:  # noqa: BLE001 - a bug here must not kill the other episodes
+        logger.error("unexpected error in %s: %s", episode, "".join(traceback.format_exception(exc)))
+        st.end("engine_error", _describe(exc))
+
+
+def _close_env(env: Any, logger: logging.Logger = log) -> None:
+    """``env.close()``; what it raises is logged on ``logger``, never raised: a failing close must not
+    hide the episode's result."""
+    try:
+        env.close()
+    except Exception as exc:  # noqa: BLE001 - a failing close must not hide the result
+        logger.warning("env.close() raised: %s", _describe(exc))
+
+
 def _numeric(info: dict[str, Any]) -> dict[str, float]:
     """The finite numeric entries of a step's info (bools as 0/1): what lands in ``metrics``."""
     out: dict[str, float] = {}
@@ -396,19 +420,10 @@ async def play_episode(
         except Exception as exc:  # noqa: BLE001
             st.end("engine_error", f"making the policy failed: {_describe(exc)}")
         else:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await _play(env, task, policy, max_turns, max_tokens, st)
-            except TimeoutError:
-                st.end("timeout", f"episode timed out after {timeout_s:g} s")
-            except Exception as exc:  # noqa: BLE001 - a bug here must not kill the other episodes
-                log.error("unexpected error in episode %s: %s", task.id, "".join(traceback.format_exception(exc)))
-                st.end("engine_error", _describe(exc))
+            await _play_in_time(_play(env, task, policy, max_turns, max_tokens, st), st, timeout_s,
+                                f"episode {task.id}")
         if close_env:
-            try:
-                env.close()
-            except Exception as exc:  # noqa: BLE001 - a failing close must not hide the result
-                log.warning("env.close() raised: %s", _describe(exc))
+            _close_env(env)
     failed = st.end_reason in FAILED_END_REASONS
     if st.error is not None:
         log.debug("episode %s/%d ended with %s: %s", task.id, sample_index, st.end_reason, st.error)

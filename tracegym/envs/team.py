@@ -28,12 +28,10 @@ a raising env, a hang or a malformed policy answer fails this episode only, for 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import math
 import time
-import traceback
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -48,8 +46,10 @@ from tracegym.envs.episode import (
     ContextExhausted,
     Observation,
     Policy,
+    _close_env,
     _describe,
     _numeric,
+    _play_in_time,
 )
 from tracegym.types import EndReason, Message, Trajectory, Turn
 
@@ -305,18 +305,9 @@ async def play_team_episode(
         except Exception as exc:  # noqa: BLE001
             st.end("engine_error", f"making the policies failed: {_describe(exc)}")
         else:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await _play_team(env, task, policies, max_turns, max_tokens, st)
-            except TimeoutError:
-                st.end("timeout", f"episode timed out after {timeout_s:g} s")
-            except Exception as exc:  # noqa: BLE001
-                log.error("unexpected error in team episode %s: %s", task.id, "".join(traceback.format_exception(exc)))
-                st.end("engine_error", _describe(exc))
-        try:
-            env.close()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("env.close() raised: %s", _describe(exc))
+            await _play_in_time(_play_team(env, task, policies, max_turns, max_tokens, st), st, timeout_s,
+                                f"team episode {task.id}", log)
+        _close_env(env, log)
     info = {"wall_time_s": round(time.perf_counter() - started, 4)}
     if not st.roles:  # the env never reset: one trajectory per declared role still records the failure
         for role in roles or ("team",):

@@ -73,12 +73,12 @@ from tracegym.algos.aggregation import aggregate, masked_mean
 from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import Batch, examples_from_groups, make_batch, split_microbatches
 from tracegym.config import DistillConfig, TeacherConfig, dump_config
-from tracegym.recipes._run import check_run_dir
+from tracegym.recipes._run import check_resumed_tasks, check_run_dir, split_tasks, start_logging, step_times, stops_here
 from tracegym.rl.collect import collect_groups, evaluate_policy, rollout_metrics
 from tracegym.rl.policy import load_policy, make_renderer, make_sampler
 from tracegym.rl.tasks import tasks_at
 from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_final
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logging import MetricsLogger, ProgressBar
 from tracegym.train.logprobs import forward_logits, pad_front
 from tracegym.train.lora import count_parameters
 from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
@@ -560,10 +560,9 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
             if data.examples:
                 metrics.update(update_student(run, data))   # 3. the teacher grades every sampled token, 4. update, sync
             run.step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
+            metrics.update(step_times(t_start, t_train))
             end_of_step(run, metrics, groups)               # 5. evaluate, log
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+            if stops_here(run.step, stop_at_step, cfg.steps):
                 return DistillResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)
         final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
@@ -589,9 +588,7 @@ def prepare_run(cfg: DistillConfig, resume: bool) -> DistillRun:
     check_run_dir(run_dir, resume)
     loss_cfg = policy_loss_config(cfg)
     probe = make(cfg.env.name, **cfg.env.options)  # a bad env name/option fails before any model loads
-    train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
-    test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
-    probe.close()
+    train_tasks, test_tasks = split_tasks(cfg, probe)
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -607,21 +604,21 @@ def prepare_run(cfg: DistillConfig, resume: bool) -> DistillRun:
                      test_tasks=test_tasks)
     restored = load_latest_intact(run_dir, model, optimizer, run.scheduler) if resume else None
     if restored is not None:
-        saved = restored.state.get("tasks", {})
-        if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
-            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
+        check_resumed_tasks(restored, cfg, train_tasks)
         run.step = restored.step
         sampler.update_weights(model)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        trainable, total = count_parameters(model)
-        row: dict[str, Any] = {"params/trainable": trainable, "params/total": total}
-        if test_tasks and cfg.eval.at_start:
-            row.update(evaluate_policy(cfg, sampler, renderer, test_tasks, run.eval_seed))  # type: ignore[arg-type]
-        run.history.append(run.logger.log(0, row))
-    run.progress = ProgressBar(cfg.steps, "distill", enabled=cfg.logging.progress, completed=run.step)
+    start_logging(run, resume, cfg.steps, "distill", lambda: log_start(run))
     return run
+
+
+def log_start(run: DistillRun) -> None:
+    """Row 0: parameter counts and optionally an evaluation."""
+    cfg = run.cfg
+    trainable, total = count_parameters(run.model)
+    row: dict[str, Any] = {"params/trainable": trainable, "params/total": total}
+    if run.test_tasks and cfg.eval.at_start:
+        row.update(evaluate_policy(cfg, run.sampler, run.renderer, run.test_tasks, run.eval_seed))  # type: ignore[arg-type]
+    run.history.append(run.logger.log(0, row))
 
 
 def collect_step(run: DistillRun, t_start: float) -> tuple[list[Any], dict[str, Any]]:

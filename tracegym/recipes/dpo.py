@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,13 +51,14 @@ from tracegym.data.pairs import (
     write_pairs,
 )
 from tracegym.data.store import read_trajectories_checked
-from tracegym.recipes._run import check_run_dir, next_in_epoch, restore_epoch_cursor
+from tracegym.recipes._run import EpochRun, check_run_dir, maybe_checkpoint_epoch, next_in_epoch, optimizer_step
+from tracegym.recipes._run import start_epoch_run, stops_here
 from tracegym.render import get_renderer
-from tracegym.train.checkpoint import save_checkpoint, save_final
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.rl.policy import load_policy
+from tracegym.train.checkpoint import save_final
+from tracegym.train.logging import process_rss_mb
 from tracegym.train.logprobs import token_logprobs
-from tracegym.train.lora import count_parameters, prepare_model, starting_reference
-from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import Trajectory, TrainingExample
@@ -331,53 +331,18 @@ def accumulate_preference_gradients(
     return {"loss": loss_sum, **metrics, "tokens": tokens}
 
 
-# --- model ----------------------------------------------------------------------------------------
-
-
-def load_policy_and_reference(cfg: DPOConfig, device: torch.device) -> tuple[Any, Any, Any]:
-    """``(trainable model, tokenizer, frozen reference or None)``; None means "the LoRA base with the
-    adapter disabled". A reference must equal the policy at step 0 (so the first loss is log 2)."""
-    from tracegym.models import load
-
-    model, tokenizer = load(cfg.model.name, cfg.model.dtype)
-    # after SFT the reference is the SFT model (where the policy starts), not the bare base
-    reference = starting_reference(model, cfg.lora, cfg.model.adapter, device)
-    model = prepare_model(model, cfg.lora, cfg.model.adapter)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        if cfg.lora.enabled:
-            model.enable_input_require_grads()
-    model.to(device).train()
-    return model, tokenizer, reference
-
-
 # --- the loop -------------------------------------------------------------------------------------
 
 
-@dataclass
-class DPORun:
-    """What the preference loop holds from one step to the next (built by ``prepare_run``)."""
+@dataclass(kw_only=True)
+class DPORun(EpochRun):
+    """What the preference loop holds from one step to the next (built by ``prepare_run``): the run
+    state of ``EpochRun``, the loss's options, the reference and the items."""
 
     cfg: DPOConfig
     opts: PreferenceOptions
-    run_dir: Path
-    device: torch.device
-    model: torch.nn.Module
-    tokenizer: Any
     reference: torch.nn.Module | None  # None: the LoRA base with the adapter disabled
-    pad_id: int
     items: list[PreferenceItem]
-    steps_per_epoch: int
-    total_steps: int
-    data_digest: str
-    optimizer: Any
-    scheduler: Any
-    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
-    progress: ProgressBar = None  # type: ignore[assignment]
-    step: int = 0
-    epoch: int = 0
-    position: int = 0  # batches of ``epoch`` already trained
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = None) -> DPOResult:
@@ -396,7 +361,7 @@ def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = N
                 run.history.append(run.logger.log(run.step, metrics))
             run.progress.update(1, info=f"loss {metrics['loss']:.4f} acc {metrics.get('accuracy', float('nan')):.2f}",
                                 tokens=metrics["tokens"])
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < run.total_steps:
+            if stops_here(run.step, stop_at_step, run.total_steps):
                 return DPOResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)                   # 6.
         final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
@@ -431,7 +396,9 @@ def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, reference = load_policy_and_reference(cfg, device)
+    # the reference is the policy at step 0 (so the first loss is log 2): after SFT the SFT model, not the
+    # bare base; None: the LoRA base with the adapter disabled
+    model, tokenizer, reference = load_policy(cfg, None, device, reference=True, train=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
     data = preference_items(records, renderer, opts, cfg.max_length)
@@ -446,17 +413,11 @@ def prepare_run(cfg: DPOConfig, resume: bool) -> DPORun:
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    run = DPORun(cfg, opts, run_dir, device, model, tokenizer, reference, pad_id, items, steps_per_epoch, total_steps,
-                 _digest(items), optimizer, scheduler)
-    if resume:
-        restore_epoch_cursor(run)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        trainable, total = count_parameters(model)
-        run.logger.log(0, {"params/trainable": trainable, "params/total": total,
-                           **{f"data/{k}": v for k, v in {**build_counts, **data.counts}.items()}})
-    run.progress = ProgressBar(total_steps, cfg.loss.name, enabled=cfg.logging.progress, completed=run.step)
+    run = DPORun(cfg=cfg, opts=opts, run_dir=run_dir, device=device, model=model, tokenizer=tokenizer,
+                 reference=reference, pad_id=pad_id, items=items, steps_per_epoch=steps_per_epoch,
+                 total_steps=total_steps, data_digest=_digest(items), optimizer=optimizer, scheduler=scheduler)
+    # restore the latest checkpoint, row 0, progress bar
+    start_epoch_run(run, resume, {**build_counts, **data.counts}, cfg.loss.name)
     return run
 
 
@@ -464,15 +425,8 @@ def train_step(run: DPORun, batch: list[PreferenceItem]) -> dict[str, Any]:
     """One optimizer step on ``batch``: the loss's gradients accumulated over micro-batches, clipped,
     AdamW step, schedule step; the row's training figures."""
     cfg = run.cfg
-    started = time.perf_counter()
-    run.optimizer.zero_grad(set_to_none=True)
-    out = accumulate_preference_gradients(run.model, run.reference, batch, cfg.loss.name, run.opts,
-                                          cfg.micro_batch_size, run.device, run.pad_id)
-    grad_norm = clip_gradients(run.model.parameters(), cfg.optim.max_grad_norm)
-    lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
-    run.optimizer.step()
-    run.scheduler.step()
-    elapsed = time.perf_counter() - started
+    out, grad_norm, lr, elapsed = optimizer_step(run, lambda: accumulate_preference_gradients(
+        run.model, run.reference, batch, cfg.loss.name, run.opts, cfg.micro_batch_size, run.device, run.pad_id))
     return {**out, "grad_norm": grad_norm, "lr": lr, "epoch": run.epoch, "items": len(batch),
             "micro_batches": cfg.batch_size // cfg.micro_batch_size, "tokens_per_s": out["tokens"] / elapsed,
             "step_time_s": elapsed, "rss_mb": process_rss_mb()}
@@ -480,10 +434,5 @@ def train_step(run: DPORun, batch: list[PreferenceItem]) -> dict[str, Any]:
 
 def maybe_checkpoint(run: DPORun) -> None:
     """Every ``checkpoint.every`` steps and at the last: weights, optimizer, scheduler and the data
-    cursor (epoch, position) with what it is only valid for (seed, shuffling, batch size, data digest)."""
-    cfg = run.cfg
-    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == run.total_steps:
-        state = {"data": {"epoch": run.epoch, "position": run.position, "seed": cfg.seed, "shuffle": cfg.data.shuffle,
-                          "batch_size": cfg.batch_size, "num_items": len(run.items), "digest": run.data_digest}}
-        save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, run.scheduler, state,
-                        keep_last=cfg.checkpoint.keep_last)
+    cursor with what it is only valid for (seed, shuffling, batch size, number of items, digest)."""
+    maybe_checkpoint_epoch(run, num_items=len(run.items))

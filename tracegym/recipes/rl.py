@@ -63,7 +63,7 @@ from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import InjectionEnv
-from tracegym.recipes._run import check_run_dir
+from tracegym.recipes._run import check_resumed_tasks, check_run_dir, split_tasks, start_logging, step_times, stops_here
 from tracegym.rl.collect import drop_overlong, evaluate_policy, guide_groups, rollout_metrics, starting_probe
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.executors.factory import make_executor
@@ -73,7 +73,7 @@ from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_
 from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
 from tracegym.train.guidance import guidance_rows, shape_guidance, without_guidance
 from tracegym.train.health import HealthMonitor, group_health, mutual_information_proxy
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logging import MetricsLogger, ProgressBar
 from tracegym.train.lora import count_parameters
 from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.policy_update import policy_update, score_batch
@@ -195,10 +195,9 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
                 metrics.update(update_policy(run, collected, data, t_train))  # 4. update, drift, weight sync
             run.step += 1
             run.executor.publish(run.model, run.step)  # version = updates so far (a step without examples changes nothing)
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
+            metrics.update(step_times(t_start, t_train))
             end_of_step(run, metrics, collected)                   # 5. evaluate, warn, log
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+            if stops_here(run.step, stop_at_step, cfg.steps):
                 return RLResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)
         final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
@@ -227,9 +226,7 @@ def prepare_run(cfg: RLConfig, resume: bool) -> RLRun:
     probe_env = make(cfg.env.name, **cfg.env.options)  # a bad env name/option fails before the model loads
     if cfg.env.injection is not None:  # so does a tool that clashes with the injection's honeypot
         InjectionEnv.from_config(probe_env, cfg.env.injection).tool_schemas()
-    train_tasks = probe_env.tasks("train", cfg.tasks.train, cfg.tasks.seed)
-    test_tasks = probe_env.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
-    probe_env.close()
+    train_tasks, test_tasks = split_tasks(cfg, probe_env)
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,18 +245,12 @@ def prepare_run(cfg: RLConfig, resume: bool) -> RLRun:
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
     if restored is not None:
-        saved = restored.state.get("tasks", {})
-        if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
-            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
+        check_resumed_tasks(restored, cfg, train_tasks)
         run.step = restored.step
         run.cursor = int(restored.state.get("task_cursor", run.step * cfg.tasks_per_step))
         run.health_monitor.load_state_dict(restored.state.get("health", {}))
         sampler.update_weights(model)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        log_start(run)
-    run.progress = ProgressBar(cfg.steps, "rl", enabled=cfg.logging.progress, completed=run.step)
+    start_logging(run, resume, cfg.steps, "rl", lambda: log_start(run))
     if cfg.save_rollouts:
         (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
     # where rollouts come from: this loop (local), a rollout thread or Ray actors (docs/scale.md);

@@ -37,7 +37,7 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.algos.hierarchical import hierarchical_advantages, learnability_reward
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
-from tracegym.recipes._run import check_run_dir
+from tracegym.recipes._run import check_run_dir, start_logging, step_times, stops_here
 from tracegym.recipes.team import build_pool, restore_pool, role_adapters, sync_adapters
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.policy import make_renderer, make_sampler
@@ -45,7 +45,7 @@ from tracegym.rl.tasks import tasks_at
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout.team import with_adapter
 from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_team_final
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logging import MetricsLogger, ProgressBar
 from tracegym.train.policy_update import policy_update, score_batch
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
@@ -157,10 +157,9 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
             t_train = time.perf_counter()
             metrics.update(update_roles(run, scored))            # 4. hierarchical advantages, updates, sync
             run.step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
+            metrics.update(step_times(t_start, t_train))
             end_of_step(run, metrics)                            # 5. evaluate the solver, log
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+            if stops_here(run.step, stop_at_step, cfg.steps):
                 return TrainResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)
         final_dir = save_team_final(run.pool, run.tokenizer, run.run_dir, {
@@ -212,15 +211,16 @@ def prepare_run(cfg: RLConfig, resume: bool) -> SelfPlayRun:
     if restored is not None:
         run.step, run.cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        row: dict[str, Any] = {f"memory/{k}": v for k, v in pool.memory_report().items()}
-        if test_tasks and cfg.eval.at_start:
-            row.update(evaluate_solver(run))
-        run.history.append(run.logger.log(0, row))
-    run.progress = ProgressBar(cfg.steps, "self-play", enabled=cfg.logging.progress, completed=run.step)
+    start_logging(run, resume, cfg.steps, "self-play", lambda: log_start(run))
     return run
+
+
+def log_start(run: SelfPlayRun) -> None:
+    """Row 0: the adapter pool's memory and optionally an evaluation of the solver."""
+    row: dict[str, Any] = {f"memory/{k}": v for k, v in run.pool.memory_report().items()}
+    if run.test_tasks and run.cfg.eval.at_start:
+        row.update(evaluate_solver(run))
+    run.history.append(run.logger.log(0, row))
 
 
 def evaluate_solver(run: SelfPlayRun) -> dict[str, float]:

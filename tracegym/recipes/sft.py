@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,13 +38,14 @@ from tracegym.algos.sft import sft_loss
 from tracegym.batch import make_batch, split_microbatches
 from tracegym.config import SFTConfig, dump_config
 from tracegym.data.store import read_trajectories_checked
-from tracegym.recipes._run import check_run_dir, epoch_order, next_in_epoch, restore_epoch_cursor  # noqa: F401  (epoch_order re-exported)
+from tracegym.recipes._run import EpochRun, check_run_dir, epoch_order  # noqa: F401  (epoch_order re-exported)
+from tracegym.recipes._run import maybe_checkpoint_epoch, next_in_epoch, optimizer_step, start_epoch_run, stops_here
 from tracegym.render import BuildStats, get_renderer
-from tracegym.train.checkpoint import save_checkpoint, save_final
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.rl.policy import load_policy
+from tracegym.train.checkpoint import save_final
+from tracegym.train.logging import process_rss_mb
 from tracegym.train.logprobs import token_logprobs
-from tracegym.train.lora import count_parameters, prepare_model
-from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrainingExample
@@ -164,30 +164,15 @@ def evaluate_loss(model: torch.nn.Module, examples: Sequence[TrainingExample], m
     return {"eval/loss": out["loss"], "eval/loss_tokens": float(out["loss_tokens"])}
 
 
-@dataclass
-class SFTRun:
-    """What the SFT loop holds from one step to the next (built by ``prepare_run``)."""
+@dataclass(kw_only=True)
+class SFTRun(EpochRun):
+    """What the SFT loop holds from one step to the next (built by ``prepare_run``): the run state of
+    ``EpochRun`` and the data."""
 
     cfg: SFTConfig
-    run_dir: Path
-    device: torch.device
-    model: torch.nn.Module
-    tokenizer: Any
-    pad_id: int
     data: SFTData  # the training files' examples and counts (``examples``: at most ``max_examples`` of them)
     examples: list[TrainingExample]
     eval_examples: list[TrainingExample]
-    steps_per_epoch: int
-    total_steps: int
-    data_digest: str
-    optimizer: Any
-    scheduler: Any
-    logger: MetricsLogger = None  # type: ignore[assignment]  (set by prepare_run)
-    progress: ProgressBar = None  # type: ignore[assignment]
-    step: int = 0
-    epoch: int = 0
-    position: int = 0  # batches of ``epoch`` already trained
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -207,7 +192,7 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
             run.step += 1
             metrics = train_step(run, batch)        # 3-4. accumulate, clip, AdamW step, schedule step
             end_of_step(run, metrics)               # evaluate when due, log
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < run.total_steps:
+            if stops_here(run.step, stop_at_step, run.total_steps):
                 return SFTResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)                   # 5.
         final_dir = save_final(run.model, run.tokenizer, run.run_dir, {
@@ -220,21 +205,6 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
 
 
 # --- the steps of the loop -------------------------------------------------------------------------
-
-
-def load_model(cfg: SFTConfig, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """(trainable model in train mode on ``device``, tokenizer): a LoRA adapter (fresh or
-    ``model.adapter``) or every weight, with gradient checkpointing when asked."""
-    from tracegym.models import load
-
-    model, tokenizer = load(cfg.model.name, cfg.model.dtype)
-    model = prepare_model(model, cfg.lora, cfg.model.adapter)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        if cfg.lora.enabled:
-            model.enable_input_require_grads()  # frozen embeddings: make checkpointed inputs carry grad
-    model.to(device).train()
-    return model, tokenizer
 
 
 def load_data(cfg: SFTConfig, renderer: Any) -> tuple[SFTData, list[TrainingExample], list[TrainingExample]]:
@@ -264,7 +234,7 @@ def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
     dump_config(cfg, run_dir)
     seed_everything(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(cfg, device)
+    model, tokenizer, _ = load_policy(cfg, None, device, train=True)  # no reference: the loss has no KL term
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     renderer = get_renderer(cfg.model.renderer or cfg.model.name, tokenizer)
     train, examples, eval_examples = load_data(cfg, renderer)
@@ -272,17 +242,10 @@ def prepare_run(cfg: SFTConfig, resume: bool) -> SFTRun:
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    run = SFTRun(cfg, run_dir, device, model, tokenizer, pad_id, train, examples, eval_examples, steps_per_epoch,
-                 total_steps, _digest(examples), optimizer, scheduler)
-    if resume:
-        restore_epoch_cursor(run)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        trainable, total = count_parameters(model)
-        run.logger.log(0, {"params/trainable": trainable, "params/total": total,
-                           **{f"data/{k}": v for k, v in train.counts.items()}})
-    run.progress = ProgressBar(total_steps, "sft", enabled=cfg.logging.progress, completed=run.step)
+    run = SFTRun(cfg=cfg, run_dir=run_dir, device=device, model=model, tokenizer=tokenizer, pad_id=pad_id, data=train,
+                 examples=examples, eval_examples=eval_examples, steps_per_epoch=steps_per_epoch,
+                 total_steps=total_steps, data_digest=_digest(examples), optimizer=optimizer, scheduler=scheduler)
+    start_epoch_run(run, resume, train.counts, "sft")  # restore the latest checkpoint, row 0, progress bar
     return run
 
 
@@ -290,14 +253,8 @@ def train_step(run: SFTRun, batch: list[TrainingExample]) -> dict[str, Any]:
     """One optimizer step on ``batch``: gradients accumulated over micro-batches, clipped, AdamW
     step, schedule step; the row's training figures."""
     cfg = run.cfg
-    started = time.perf_counter()
-    run.optimizer.zero_grad(set_to_none=True)
-    out = accumulate_sft_gradients(run.model, batch, cfg.micro_batch_size, run.device, run.pad_id)
-    grad_norm = clip_gradients(run.model.parameters(), cfg.optim.max_grad_norm)
-    lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
-    run.optimizer.step()
-    run.scheduler.step()
-    elapsed = time.perf_counter() - started
+    out, grad_norm, lr, elapsed = optimizer_step(
+        run, lambda: accumulate_sft_gradients(run.model, batch, cfg.micro_batch_size, run.device, run.pad_id))
     return {"loss": out["loss"], "grad_norm": grad_norm, "lr": lr, "epoch": run.epoch,
             "loss_tokens": out["loss_tokens"], "tokens": out["tokens"],
             "micro_batches": cfg.batch_size // cfg.micro_batch_size,
@@ -316,10 +273,5 @@ def end_of_step(run: SFTRun, metrics: dict[str, Any]) -> None:
 
 def maybe_checkpoint(run: SFTRun) -> None:
     """Every ``checkpoint.every`` steps and at the last: weights, optimizer, scheduler and the data
-    cursor (epoch, position) with what it is only valid for (seed, shuffling, batch size, data digest)."""
-    cfg = run.cfg
-    if (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0) or run.step == run.total_steps:
-        state = {"data": {"epoch": run.epoch, "position": run.position, "seed": cfg.seed, "shuffle": cfg.data.shuffle,
-                          "batch_size": cfg.batch_size, "num_examples": len(run.examples), "digest": run.data_digest}}
-        save_checkpoint(run.run_dir, run.step, run.model, run.optimizer, run.scheduler, state,
-                        keep_last=cfg.checkpoint.keep_last)
+    cursor with what it is only valid for (seed, shuffling, batch size, number of examples, digest)."""
+    maybe_checkpoint_epoch(run, num_examples=len(run.examples))

@@ -49,7 +49,7 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.batch import examples_from_groups, make_batch
 from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
-from tracegym.recipes._run import check_run_dir
+from tracegym.recipes._run import check_resumed_tasks, check_run_dir, split_tasks, start_logging, step_times, stops_here
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.policy import make_renderer, make_sampler
 from tracegym.rl.tasks import tasks_at
@@ -57,7 +57,7 @@ from tracegym.rollout import RolloutConfig, RolloutResult
 from tracegym.rollout.team import group_by_role, role_of, run_team_rollouts_sync, score_team_counterfactual
 from tracegym.train.adapter_pool import AdapterPool
 from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_team_final
-from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
+from tracegym.train.logging import MetricsLogger, ProgressBar
 from tracegym.train.lora import count_parameters
 from tracegym.train.policy_update import policy_update, score_batch
 from tracegym.train.result import TrainResult
@@ -219,10 +219,9 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
                 metrics.update(update_adapter(run, adapter, groups, estimated.advantages, weights))
             sync_adapters(run.sampler, run.model, run.trained)
             run.step += 1
-            metrics.update({"time/train_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - t_start,
-                            "rss_mb": process_rss_mb()})
+            metrics.update(step_times(t_start, t_train))
             end_of_step(run, metrics, result)                   # 4. evaluate, log
-            if stop_at_step is not None and run.step >= stop_at_step and run.step < cfg.steps:
+            if stops_here(run.step, stop_at_step, cfg.steps):
                 return TrainResult(run.run_dir, None, run.step, run.history)
             maybe_checkpoint(run)
         final_dir = save_team_final(run.pool, run.tokenizer, run.run_dir, {
@@ -252,10 +251,7 @@ def load_team_tasks(cfg: RLConfig) -> tuple[list[Any], list[Any]]:
         raise ValueError(f"roles: env {cfg.env.name!r} has roles {list(probe.roles)}, the config names {sorted(cfg.roles)}")
     if cfg.env.injection is not None:
         raise ValueError("env.injection is not supported with roles: yet")
-    train_tasks = probe.tasks("train", cfg.tasks.train, cfg.tasks.seed)
-    test_tasks = probe.tasks("test", cfg.tasks.test, cfg.tasks.seed) if cfg.tasks.test else []
-    probe.close()
-    return train_tasks, test_tasks
+    return split_tasks(cfg, probe)
 
 
 def prepare_run(cfg: RLConfig, resume: bool) -> TeamRun:
@@ -289,16 +285,10 @@ def prepare_run(cfg: RLConfig, resume: bool) -> TeamRun:
                   train_tasks=train_tasks, test_tasks=test_tasks)
     restored = load_latest_intact(run_dir) if resume else None
     if restored is not None:
-        saved = restored.state.get("tasks", {})
-        if saved.get("seed") != cfg.tasks.seed or saved.get("train") != len(train_tasks):
-            raise ValueError(f"{restored.path} was trained on other tasks (seed or count differ); cannot resume on this config")
+        check_resumed_tasks(restored, cfg, train_tasks)
         run.step, run.cursor = restore_pool(restored, pool)
         sampler.update_weights(model)
-    run.logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
-    if run.step == 0:
-        log_start(run)
-    run.progress = ProgressBar(cfg.steps, "team rl", enabled=cfg.logging.progress, completed=run.step)
+    start_logging(run, resume, cfg.steps, "team rl", lambda: log_start(run))
     if cfg.save_rollouts:
         (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
     return run

@@ -22,23 +22,32 @@ def make_renderer(cfg: RLConfig, tokenizer: Any) -> Any:
                         untrusted_tool_output=cfg.rollout.untrusted_tool_output)
 
 
-def load_policy(cfg: RLConfig, loss_cfg: PolicyLossConfig, device: torch.device) -> tuple[Any, Any, Any]:
-    """(trainable model in eval mode, tokenizer, frozen reference or None)."""
+def load_policy(cfg: Any, loss_cfg: PolicyLossConfig | None, device: torch.device, *,
+                reference: bool | None = None, train: bool = False) -> tuple[Any, Any, Any]:
+    """(trainable model on ``device``, tokenizer, frozen reference or None) as the ``model`` and ``lora``
+    sections of ``cfg`` say (any training recipe's config: RL, distillation, SFT, DPO/KTO): a LoRA
+    adapter (fresh or ``model.adapter``) or every weight, with gradient checkpointing when asked.
+
+    The reference is the policy at step 0: a frozen copy for full fine-tuning, or with the SFT adapter
+    merged when training starts from one; None for a fresh adapter (the base, adapter disabled).
+    ``reference`` says whether the loss needs one (a preference loss always does); by default it is
+    built for a KL term (``loss_cfg.kl_coef > 0``), and None otherwise. The model is in eval mode (RL:
+    the rollout engine samples from it) or, with ``train``, in train mode (the fixed-dataset recipes)."""
     from tracegym.models import load
 
+    wants_reference = reference if reference is not None else loss_cfg is not None and loss_cfg.kl_coef > 0
     model, tokenizer = load(cfg.model.name, cfg.model.dtype)
-    # the policy at step 0: a frozen copy (full fine-tuning, or the SFT adapter merged when RL starts
-    # from one); None for a fresh adapter (the base, adapter disabled) or without a KL term
-    reference = starting_reference(model, cfg.lora, cfg.model.adapter, device) if loss_cfg.kl_coef > 0 else None
+    # before the adapter goes on: the frozen copy is the untouched (or SFT-merged) weights
+    starting = starting_reference(model, cfg.lora, cfg.model.adapter, device) if wants_reference else None
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
-            model.enable_input_require_grads()
-    model.to(device).eval()
-    if reference is None and loss_cfg.kl_coef > 0 and not is_peft_model(model):
+            model.enable_input_require_grads()  # frozen embeddings: make checkpointed inputs carry grad
+    model.to(device).train(train)
+    if starting is None and wants_reference and not is_peft_model(model):
         raise ValueError("kl_coef > 0 needs a reference policy: LoRA (adapter disabled) or full fine-tuning")
-    return model, tokenizer, reference
+    return model, tokenizer, starting
 
 
 def make_sampler(cfg: RLConfig, model: Any, tokenizer: Any, renderer: Any) -> Any:

@@ -313,9 +313,30 @@ async def score_mc_continuation_async(
     seed: int | None = 0,
     reach: Reach = "auto",
 ) -> tuple[list[TrajectoryGroup], MCStats]:
-    """See :func:`score_mc_continuation`. Reads as its steps: pick the decision points, snapshot them
-    (``reach="snapshot"``), sample K-1 alternatives, play M continuations per action, score each point
-    leave-one-out and write the scores on the turns."""
+    """New groups whose decision turns carry ``Turn.metrics["mc_advantage"]`` (see the module docstring),
+    and what it cost.
+
+    Args:
+        groups: the step's groups (token-exact trajectories from the rollout runner).
+        sampler: the token engine of the rollouts (``generate``), i.e. the current policy.
+        renderer: the renderer the trajectories were sampled with.
+        env, env_options: the env name and options of the rollouts (or a zero-argument factory).
+        tasks: the tasks of the trajectories (``Task`` objects, by ``task_id``), to ``reset`` with.
+        decision_turns: ``"all"``, ``"first"`` or a list of turn indices (those past a trajectory's
+            end are skipped).
+        k: actions per decision turn, the recorded one included (>= 2); m: continuations per action.
+        config: limits and sampling of the continuations (the rollout's ``RolloutConfig``; its
+            ``seed`` is replaced); ``temperature``/``max_turns`` override it when given.
+        seed: seeds the alternatives' sampling and (as ``seed + 1``) the continuations'.
+        reach: ``"auto"``, ``"snapshot"`` or ``"replay"`` (module docstring).
+
+    Reads as its steps: pick the decision points, snapshot them (``reach="snapshot"``), sample K-1
+    alternatives, play M continuations per action, score each point leave-one-out and write the
+    scores on the turns.
+
+    Raises :class:`BranchingUnsupported` for an env that can neither branch nor be replayed and
+    :class:`ReplayMismatch` when a replay does not reproduce the recording.
+    """
     _check_k_m(k, m)
     config = _continuation_config(config, temperature, max_turns, seed)
     make_env, _ = env_factory(env, env_options)
@@ -335,47 +356,11 @@ async def score_mc_continuation_async(
     return out, stats
 
 
-def score_mc_continuation(
-    groups: Sequence[TrajectoryGroup],
-    sampler: Any,
-    renderer: Any,
-    env: str | Callable[[], Env],
-    env_options: dict[str, Any] | None,
-    tasks: Sequence[Task] | Mapping[str, Task],
-    *,
-    decision_turns: DecisionTurns = "all",
-    k: int = 4,
-    m: int = 2,
-    config: RolloutConfig | None = None,
-    temperature: float | None = None,
-    max_turns: int | None = None,
-    seed: int | None = 0,
-    reach: Reach = "auto",
-) -> tuple[list[TrajectoryGroup], MCStats]:
-    """New groups whose decision turns carry ``Turn.metrics["mc_advantage"]`` (see the module docstring),
-    and what it cost.
-
-    Args:
-        groups: the step's groups (token-exact trajectories from the rollout runner).
-        sampler: the token engine of the rollouts (``generate``), i.e. the current policy.
-        renderer: the renderer the trajectories were sampled with.
-        env, env_options: the env name and options of the rollouts (or a zero-argument factory).
-        tasks: the tasks of the trajectories (``Task`` objects, by ``task_id``), to ``reset`` with.
-        decision_turns: ``"all"``, ``"first"`` or a list of turn indices (those past a trajectory's
-            end are skipped).
-        k: actions per decision turn, the recorded one included (>= 2); m: continuations per action.
-        config: limits and sampling of the continuations (the rollout's ``RolloutConfig``; its
-            ``seed`` is replaced); ``temperature``/``max_turns`` override it when given.
-        seed: seeds the alternatives' sampling and (as ``seed + 1``) the continuations'.
-        reach: ``"auto"``, ``"snapshot"`` or ``"replay"`` (module docstring).
-
-    Raises :class:`BranchingUnsupported` for an env that can neither branch nor be replayed and
-    :class:`ReplayMismatch` when a replay does not reproduce the recording.
-    """
-    return asyncio.run(score_mc_continuation_async(
-        groups, sampler, renderer, env, env_options, tasks, decision_turns=decision_turns, k=k, m=m, config=config,
-        temperature=temperature, max_turns=max_turns, seed=seed, reach=reach,
-    ))
+def score_mc_continuation(*args: Any, **kwargs: Any) -> tuple[list[TrajectoryGroup], MCStats]:
+    """``asyncio.run(score_mc_continuation_async(...))`` for callers without an event loop: new groups
+    whose decision turns carry ``Turn.metrics["mc_advantage"]``, and what it cost (the arguments:
+    :func:`score_mc_continuation_async`)."""
+    return asyncio.run(score_mc_continuation_async(*args, **kwargs))
 
 
 # --- the steps of score_mc_continuation_async, in order ------------------------------------------
