@@ -10,6 +10,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 # The user's model cache as it was when the session started. Session fixtures load through it
@@ -51,3 +55,12 @@ def smollm2():
     """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct (float32), loaded through the user's
     cache: about 1-2 s when built, about 25 s the first time. Read-only, like ``tiny_model``."""
     return _load_with_session_cache("smollm2-135m")
+
+
+@pytest.fixture
+def base():
+    """A base dir the sandbox's unprivileged uid can reach (pytest's tmp_path is root-only)."""
+    folder = Path(tempfile.mkdtemp(prefix="tracegym-sandbox-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -86,7 +86,7 @@ def test_options() -> None:
     for bad in (
         {"chores": 0}, {"chores": "x"}, {"chores": (3, 1)}, {"chores": True}, {"chores": 6},
         {"families": ["nope"]}, {"families": []}, {"reward": "most"}, {"isolation": "docker"},
-        {"wall_s": 0}, {"wall_s": 1000}, {"test_fraction": 1.0}, {"mem_mb": 0},
+        {"wall_s": 0}, {"wall_s": 1000}, {"test_fraction": 1.0}, {"mem_mb": 0}, {"cpu_budget_s": 0},
     ):
         with pytest.raises(ValueError):
             TerminalEnv(**{"isolation": "unsafe_local", **bad})
@@ -335,16 +335,33 @@ def test_output_is_bounded_and_keeps_the_status(stateless: bool) -> None:
     assert final.info["tool_output_truncated"] == 2
 
 
-def _processes_using(workdir: Path) -> list[int]:
-    """Host pids whose command line names ``workdir`` (the sandbox's bwrap binds it at /work)."""
-    pids = []
+def _sandbox_processes(sandbox) -> list[int]:
+    """Host pids of a sandbox's processes: the commands it started and everything under them (its
+    bwrap's command line no longer names the host work dir, so it is found by ancestry)."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and str(workdir).encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
+            if entry.name.isdigit():
+                stat = (entry / "stat").read_bytes()
+                parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found = [p.pid for p in sandbox._procs if p.pid in parents]
+    for pid in found:  # grows while walked: breadth first
+        found.extend(child for child, parent in parents.items() if parent == pid and child not in found)
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_bytes()
         except OSError:
             continue
-    return pids
+        if state[state.rfind(b")") + 2:][:1] != b"Z":
+            alive.append(pid)
+    return alive
 
 
 @needs_bwrap
@@ -357,15 +374,18 @@ def test_work_dir_and_processes_are_gone_after_the_episode() -> None:
         await env.step(_call("sleep 300 &"))
         assert env.sandbox is not None
         workdir = env.sandbox.workdir
-        assert workdir.exists() and _processes_using(workdir)  # the shell, holding the background job
+        running = _sandbox_processes(env.sandbox)
+        assert workdir.exists() and len(running) >= 3  # bwrap, the shell, the background job
         await env.step(_DONE)
-        assert env.sandbox is None and not workdir.exists() and not _processes_using(workdir)
+        assert env.sandbox is None and not workdir.exists() and not _alive(running)
         # A new reset in the middle of an episode closes the old sandbox; so does close(), twice.
         await env.reset(task)
         workdir = env.sandbox.workdir
         await env.step(_call("echo x > f; sleep 300 &"))
+        running = _sandbox_processes(env.sandbox)
+        assert len(running) >= 3
         await env.reset(task)
-        assert not workdir.exists() and not _processes_using(workdir)
+        assert not workdir.exists() and not _alive(running)
         workdir = env.sandbox.workdir
         await env.step(_call("echo x > f"))
         env.close()

@@ -8,8 +8,6 @@ where .ci/run installs bubblewrap and a skip would hide a broken sandbox, so the
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import signal
 import socket
 import subprocess
@@ -57,15 +55,6 @@ def _wait_gone(marker: str, seconds: float = 5.0) -> list[int]:
     while (left := _processes_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
-
-
-@pytest.fixture
-def base():
-    """A base dir the sandbox's unprivileged uid can reach (pytest's tmp_path is root-only)."""
-    folder = Path(tempfile.mkdtemp(prefix="tracegym-sandbox-test-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

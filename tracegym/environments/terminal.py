@@ -12,11 +12,19 @@ back; it ends the episode with a message without tool calls (``<answer>done</ans
 HOST reads the work dir (``Sandbox.list_files``, which never follows a link) and checks it against
 the task's goal: files and their contents, directories, absent paths, permission bits, a tar.gz
 archive's members. Nothing is verified by running commands in the agent's shell, which the agent
-could have changed (an alias, a function named ``cat``). Reward: 1 iff every check passes
-(``reward="all"``), or the fraction of goal checks passed (``reward="fraction"``); with partial
-credit, a "guard" (a file the chore must keep, true before the agent acts) that fails zeroes the
-reward, so neither doing nothing nor deleting everything earns anything. An episode cut by
-``max_turns`` earns 0.
+could have changed (an alias, a function named ``cat``). The work dir is hostile input, so the
+check is bounded in every dimension: the walk stops past 32 levels, 5,000 entries or its time
+(reward 0, the reason in ``failed_checks``), only the files the checks name are read (each inode
+once, 256 KB each, 16 MB in all), an archive is read through its member headers (sparse members and
+members larger than the archive refused), and the check runs on a thread of its own with a time
+limit, so one episode's check never stalls the event loop the other episodes share.
+
+Reward: 1 iff every check passes (``reward="all"``), or the fraction of goal checks passed
+(``reward="fraction"``); with partial credit, a "guard" (a file the chore must keep, true before
+the agent acts) that fails zeroes the reward, so neither doing nothing nor deleting everything
+earns anything. An episode cut by ``max_turns`` earns 0. The sandbox's CPU budget
+(``cpu_budget_s``, all the episode's processes together, between calls too) ends every later
+command once spent.
 
 Two modes, one option:
 
@@ -41,13 +49,10 @@ Python data does not capture.
 from __future__ import annotations
 
 import asyncio
-import io
 import math
 import random
-import re
 import shlex
-import tarfile
-import zlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -60,13 +65,19 @@ from tracegym.envs.sandbox import (
     SandboxResult,
     SandboxUnavailable,
     ShellSession,
+    TreeLimitError,
+    TreeLimits,
     bwrap_unavailable_reason,
 )
+from tracegym.envs.hostfs import read_tar_gz
 from tracegym.envs.tasks import distinct_tasks, parse_int_range
 from tracegym.envs.tools import ToolEnv, tool
 from tracegym.types import Message, StepResult, ToolCall
 
-__all__ = ["FAMILIES", "CheckOutcome", "TerminalEnv", "generate_task", "score", "system_prompt", "verify_work_dir"]
+__all__ = [
+    "FAMILIES", "CheckOutcome", "TerminalEnv", "generate_task", "score", "system_prompt", "verify_sandbox",
+    "verify_work_dir",
+]
 
 Isolation = Literal["bwrap", "unsafe_local"]
 RewardMode = Literal["all", "fraction"]
@@ -79,6 +90,13 @@ _TOOL_TIMEOUT_S = MAX_WALL_S + 30.0
 _READ_LIMIT = 262_144
 #: Largest decompressed tar archive the host inspects (a gzip bomb stops here, nothing is extracted).
 _MAX_TAR_BYTES = 4_000_000
+#: Bounds of the host's walk of the final work dir; past one the check fails with the reason.
+_CHECK_LIMITS = TreeLimits(max_depth=32, max_entries=5_000, max_read_bytes=16 * 2**20, read_limit=_READ_LIMIT,
+                           timeout_s=10.0)
+#: Seconds the whole check (stopping the shell, the walk, the comparisons) may take on its thread.
+_CHECK_TIMEOUT_S = 20.0
+#: Seconds the event loop waits for an episode's sandbox to close (the rest goes on in the background).
+_CLOSE_WAIT_S = 10.0
 
 
 # --- fictional names and contents -------------------------------------------------------------------
@@ -581,27 +599,10 @@ class CheckOutcome:
 
 def _tar_members(data: bytes) -> dict[str, bytes] | str:
     """{member path: content} of the regular files in a gzip-compressed tar, or why it cannot be
-    read. Decompressed in memory with a size cap; nothing is extracted to disk."""
-    if not data.startswith(b"\x1f\x8b"):
-        return "is not gzip-compressed"
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        raw = inflater.decompress(data, _MAX_TAR_BYTES)
-    except zlib.error as exc:
-        return f"is not valid gzip ({exc})"
-    if inflater.unconsumed_tail:
-        return "decompresses to more than the checker reads"
-    members: dict[str, bytes] = {}
-    try:
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as archive:
-            for member in archive.getmembers():
-                if member.isfile():
-                    extracted = archive.extractfile(member)
-                    name = re.sub(r"^(\./)+", "", member.name)
-                    members[name] = extracted.read() if extracted is not None else b""
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        return f"is not a valid tar archive ({type(exc).__name__})"
-    return members
+    read: decompressed in memory to a cap, member headers read one by one, each member's real size
+    checked against the archive before its bytes are taken, sparse members refused
+    (:func:`~tracegym.envs.hostfs.read_tar_gz`); nothing is extracted to disk."""
+    return read_tar_gz(data, max_bytes=_MAX_TAR_BYTES)
 
 
 def _same_text(content: bytes, text: str) -> bool:
@@ -649,6 +650,67 @@ def verify_work_dir(entries: Sequence[FileEntry], checks: Sequence[Mapping[str, 
     and directories only count as such when they are not symlinks."""
     by_path = {entry.path: entry for entry in entries}
     return [_check(by_path, check) for check in checks]
+
+
+def _checked_paths(checks: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The files whose content a check reads (the host reads no other)."""
+    return frozenset(c["path"] for c in checks if c["kind"] in ("file", "number", "tar_gz"))
+
+
+def verify_sandbox(sandbox: Sandbox, checks: Sequence[Mapping[str, Any]]) -> list[CheckOutcome]:
+    """Check a sandbox's work dir, bounded (:data:`_CHECK_LIMITS`); a work dir past a bound fails
+    every check with the bound's name ("the work dir holds more than 5,000 entries"), never raises."""
+    wanted = _checked_paths(checks)
+    try:
+        entries = sandbox.list_files(read_limit=_READ_LIMIT, read=wanted.__contains__, limits=_CHECK_LIMITS)
+    except TreeLimitError as exc:
+        return _all_failed(checks, exc.reason)
+    except OSError as exc:
+        return _all_failed(checks, f"the work dir could not be read ({exc.strerror or exc})")
+    return verify_work_dir(entries, checks)
+
+
+def _verify(sandbox: Sandbox, session: ShellSession | None, checks: Sequence[Mapping[str, Any]]) -> list[CheckOutcome]:
+    """The end-of-episode check (on its own thread, with its own references: a check that runs
+    past its limit finishes on what it started with, whatever the episode did since)."""
+    # Stop every process first: a background job must not change files while they are read.
+    if session is not None:
+        session.close()
+    sandbox.kill_all()
+    return verify_sandbox(sandbox, checks)
+
+
+def _all_failed(checks: Sequence[Mapping[str, Any]], reason: str) -> list[CheckOutcome]:
+    return [CheckOutcome(False, f"not checked: {reason}") for _ in checks]
+
+
+async def _off_loop(
+    fn: Callable[[], Any], timeout: float, name: str, on_late: Callable[[Any], None] | None = None
+) -> Any:
+    """Run blocking ``fn`` on a daemon thread of its own, awaiting it at most ``timeout`` seconds
+    (asyncio.TimeoutError then; the thread finishes on its own, bounded by what it does, and
+    ``on_late`` gets a result that comes after the caller gave up)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+        elif ok and on_late is not None:
+            on_late(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, fn())
+        except BaseException as exc:  # handed to the awaiting episode
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=f"tracegym-terminal-{name}", daemon=True).start()
+    return await asyncio.wait_for(asyncio.shield(future), timeout)
 
 
 def score(checks: Sequence[Mapping[str, Any]], outcomes: Sequence[CheckOutcome], mode: RewardMode) -> float:
@@ -725,6 +787,7 @@ class TerminalEnv(ToolEnv):
         wall_s: float = 10.0,
         mem_mb: int = 512,
         disk_mb: int = 64,
+        cpu_budget_s: float = 60.0,
         max_turns: int | None = None,
         test_fraction: float = 0.2,
         max_tool_output_chars: int | None = None,
@@ -737,6 +800,8 @@ class TerminalEnv(ToolEnv):
             raise ValueError(f"wall_s must be in (0, {MAX_WALL_S:g}], got {wall_s}")
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        if not cpu_budget_s > 0:
+            raise ValueError(f"cpu_budget_s must be > 0, got {cpu_budget_s}")
         self.min_chores, self.max_chores = parse_int_range(chores, "chores", 1, 5)
         self.families = _parse_families(families)
         # Fail closed now, not at the first episode: a run configured for isolation must not start
@@ -753,8 +818,11 @@ class TerminalEnv(ToolEnv):
         self.isolation: Isolation = isolation
         self.reward_mode: RewardMode = reward
         self.test_fraction = test_fraction
+        # cpu_budget_s: every process of the episode together, between calls too (a background
+        # burner the agent left running counts).
         self.limits = SandboxLimits(
             wall_s=float(wall_s), cpu_s=max(10, math.ceil(wall_s)), mem_mb=mem_mb, disk_mb=disk_mb,
+            cpu_budget_s=float(cpu_budget_s),
         )
         # Up to 3 commands per chore, the answer, and room for a few mistakes.
         super().__init__(
@@ -814,13 +882,24 @@ class TerminalEnv(ToolEnv):
             sandbox.write_files(files, mode=mode)
 
     async def reset(self, task: Task) -> list[Message]:
-        self._close_sandbox()
+        await self._close_sandbox_off_loop()
         self.task = task
         self.expert_progress = 0
-        sandbox = Sandbox(self.limits, isolation=self.isolation)
+
+        def build() -> Sandbox:
+            box = Sandbox(self.limits, isolation=self.isolation)
+            try:
+                self._write_initial_files(box)
+            except BaseException:
+                box.close()
+                raise
+            return box
+
+        # Off the event loop: creating a sandbox mounts, writes files and may sweep what a crashed
+        # run left; none of it may stall the other episodes.
+        sandbox = await _off_loop(build, _CLOSE_WAIT_S + 20.0, "reset", on_late=lambda box: box.close())
         self.sandbox = sandbox
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracegym-terminal")
-        self._write_initial_files(sandbox)
         # The session's bash starts lazily, at the first command.
         self.session = None if self.stateless else sandbox.shell()
         return [
@@ -859,17 +938,23 @@ class TerminalEnv(ToolEnv):
             note = (
                 "; the shell was stopped: a new one starts at the next command, on the same files, in the work dir, "
                 "without your variables or background processes"
-                if result.killed is not None and result.killed != "shell_exited" else ""
+                if result.killed not in (None, "shell_exited", "cpu_budget") else ""
             )
             self.counters["shell_restarts"] = self.session.restarts
         if result.timed_out:
             self.counters["command_timeouts"] += 1
         return _format_output(result) + f"[{result.describe()}{note}]"
 
-    def on_text(self, message: Message) -> StepResult:
-        """Any message without tool calls ends the episode; the work dir decides the reward."""
-        assert self.task is not None
-        outcomes = self._verify()
+    async def on_text(self, message: Message) -> StepResult:
+        """Any message without tool calls ends the episode; the work dir decides the reward. The
+        check runs on a thread of its own (never on the event loop) and fails, with reward 0 and
+        the reason, when it runs past ``_CHECK_TIMEOUT_S``."""
+        assert self.task is not None and self.sandbox is not None
+        sandbox, session, checks = self.sandbox, self.session, self.task.data["checks"]
+        try:
+            outcomes = await _off_loop(lambda: _verify(sandbox, session, checks), _CHECK_TIMEOUT_S, "check")
+        except asyncio.TimeoutError:
+            outcomes = _all_failed(self.task.data["checks"], f"the check ran past its {_CHECK_TIMEOUT_S:g} s limit")
         passed = sum(o.passed for o in outcomes)
         total = len(outcomes)
         solved = passed == total
@@ -882,18 +967,11 @@ class TerminalEnv(ToolEnv):
             },
         )
 
-    def _verify(self) -> list[CheckOutcome]:
-        assert self.task is not None and self.sandbox is not None
-        # Stop every process first: a background job must not change files while they are read.
-        if self.session is not None:
-            self.session.close()
-        self.sandbox.kill_all()
-        return verify_work_dir(self.sandbox.list_files(read_limit=_READ_LIMIT), self.task.data["checks"])
 
     async def step(self, message: Message, parse_errors: Sequence[str] = ()) -> StepResult:
         result = await super().step(message, parse_errors)
         if result.terminated or result.truncated:
-            self._close_sandbox()  # verified already (on_text); nothing of the episode is kept
+            await self._close_sandbox_off_loop()  # verified already (on_text); nothing of the episode is kept
         return result
 
     def expert_action(self) -> Message:
@@ -921,6 +999,26 @@ class TerminalEnv(ToolEnv):
             sandbox.close()
         if worker is not None:
             worker.shutdown(wait=False)
+
+    async def _close_sandbox_off_loop(self) -> None:
+        """:meth:`_close_sandbox` on a thread: killing the processes and removing a hostile work dir
+        never stall the event loop; past ``_CLOSE_WAIT_S`` the episode goes on and the close
+        finishes in the background (it is bounded)."""
+        if self.sandbox is None and self._worker is None:
+            return
+        sandbox, self.sandbox, self.session = self.sandbox, None, None
+        worker, self._worker = self._worker, None
+
+        def close() -> None:
+            if sandbox is not None:
+                sandbox.close()
+            if worker is not None:
+                worker.shutdown(wait=False)
+
+        try:
+            await _off_loop(close, _CLOSE_WAIT_S, "close")
+        except asyncio.TimeoutError:
+            pass
 
     def close(self) -> None:
         """Kill the episode's processes and remove its work dir (idempotent)."""
