@@ -120,6 +120,12 @@ class DemoConfig(_Section):
     sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02; the strong-start
     bench uses 0.02). None: off (the drift is still logged)."""
 
+    rl_kl_coef: float = Field(0.0, ge=0.0)
+    """KL anchor of the RL stage to its SFT start (``policy_loss.kl_coef``, k3 in the loss; the
+    reference is the SFT adapter): holds the decisions RL's gradient does not target, which a shared
+    representation otherwise drags along (docs/algorithms.md, "Why RL lost the strong start").
+    0: off. Costs one reference forward per row."""
+
     micro_batch_size: int = Field(1, gt=0)
     """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
     cores, is also faster (rows of one pass are padded to the longest). Measured on the demo's data
@@ -259,7 +265,7 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         rollout={"max_turns": max(cfg.eval_turns), "max_tokens_per_turn": cfg.max_tokens_per_turn,
                  "temperature": cfg.temperature, "concurrency": 64},
         advantage={"estimator": cfg.rl_estimator},
-        policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": cfg.rl_kl_coef},
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
         guidance={"groups": cfg.rl_guidance_groups} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
         eval={"every": 0, "at_start": False, "temperature": cfg.temperature}, seed=cfg.seed, output_dir=str(output_dir),
