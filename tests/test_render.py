@@ -18,21 +18,10 @@ import random
 import pytest
 
 from tracegym.render import BuildStats, HermesRenderer, SmolLM2Renderer, get_renderer, hermes_chat_template
+from tracegym.render.conformance import ADD_TOOL  # the schema the conformance suite uses too
 from tracegym.render.toolcalls import to_openai_messages
 from tracegym.types import Message, ToolCall, Trajectory, Turn
 
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 SEARCH_TOOL = {
     "type": "function",
     "function": {

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from tracegym.commands._config import add_plugin_argument
+
 NAME = "serve"
 HELP = "Serve a model as an OpenAI-compatible /v1/chat/completions endpoint (streaming, tools, log-probs)."
 
@@ -14,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a known model name (smollm2-135m, tiny-random) or a local HF folder")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--renderer", default=None, help="chat-template renderer (default: the model's)")
+    parser.add_argument("--renderer", default=None,
+                        help="chat-template renderer (default: the model's; --plugin adds more)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $TRACEGYM_API_KEY; "
@@ -26,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=16, help="largest n a request may ask (default 16, at most the batch size)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="largest max_tokens a request may ask (default: the context window)")
+    add_plugin_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """The token layer: chat templates <-> token ids, tool-call parsing, loss masks.
 
 ``get_renderer(name, tokenizer)`` returns a ``Renderer`` for a template name ("smollm2", "hermes",
-"qwen3", "llama3") or for a model name ("smollm2-135m", "tiny-random" -> "smollm2"; Qwen3 names ->
-"qwen3", other Qwen names -> "hermes"; Llama names -> "llama3").
+"qwen3", "llama3", "llama3.1", "gemma3") or for a model name ("smollm2-135m", "tiny-random" ->
+"smollm2"; Qwen3 names -> "qwen3", other Qwen names -> "hermes"; Llama names -> "llama3", a folder
+holding Meta's Llama 3.1 template -> "llama3.1"; Gemma 3 names -> "gemma3"). A plugin adds its own
+with ``register_renderer``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from tracegym.render.base import (
     UntrustedToolOutput,
 )
 from tracegym.render.chatml import ChatMLRenderer
+from tracegym.render.gemma3 import Gemma3Renderer
 from tracegym.render.hermes import HermesRenderer, hermes_chat_template
 from tracegym.render.llama3 import Llama3Renderer, llama3_chat_template
+from tracegym.render.llama3_1 import Llama31Renderer
 from tracegym.render.qwen3 import Qwen3Renderer
 from tracegym.render.smollm2 import SmolLM2Renderer
 
@@ -31,6 +35,8 @@ RENDERERS: dict[str, type[Renderer]] = {
     "hermes": HermesRenderer,
     "qwen3": Qwen3Renderer,
     "llama3": Llama3Renderer,
+    "llama3.1": Llama31Renderer,
+    "gemma3": Gemma3Renderer,
 }
 
 # Model names (lower case) -> renderer name.
@@ -48,6 +54,8 @@ _FAMILY_HINTS: tuple[tuple[str, str], ...] = (
     ("smollm", "smollm2"),
     ("llama-3", "llama3"),
     ("llama3", "llama3"),
+    ("gemma-3", "gemma3"),
+    ("gemma3", "gemma3"),
 )
 
 
@@ -57,7 +65,8 @@ def register_renderer(name: str, cls: type[Renderer]) -> None:
 
 
 def _saved_renderer(folder: str) -> str | None:
-    """The ``renderer`` recorded in a saved folder's ``tracegym.json`` (None when absent or unknown)."""
+    """The ``renderer`` recorded in a saved folder's ``tracegym.json`` (None when absent or unreadable);
+    ValueError when it names a renderer that is not registered (a plugin's, not loaded)."""
     info_path = os.path.join(folder, "tracegym.json")
     if not os.path.isfile(info_path):
         return None
@@ -69,7 +78,10 @@ def _saved_renderer(folder: str) -> str | None:
     if not isinstance(recorded, str):
         return None
     recorded = MODEL_RENDERERS.get(recorded.lower(), recorded)
-    return recorded if recorded in RENDERERS else None
+    if recorded not in RENDERERS:
+        raise ValueError(f"{info_path}: key 'renderer' names {recorded!r}, which is not registered (a plugin "
+                         f"renderer? load its file with --plugin); known renderers: {', '.join(sorted(RENDERERS))}")
+    return recorded
 
 
 def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str:
@@ -83,13 +95,18 @@ def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str
     saved = _saved_renderer(key)
     if saved is not None:  # a folder tracegym saved says which renderer it was trained with
         return saved
+    template = getattr(tokenizer, "chat_template", None)
+    if os.path.isdir(key) and isinstance(template, str) and "<|start_header_id|>" in template \
+            and "Environment: ipython" in template:
+        return "llama3.1"  # Meta's own Llama 3.1 template, whatever the folder is called
     base = os.path.basename(lowered.rstrip("/"))
     for hint, renderer in _FAMILY_HINTS:
         if hint in base:
             return renderer
     # A local folder of an unknown model: a ChatML template that knows tools is Hermes-style.
     # (Only for folders: a mistyped renderer name is an error, not a silent guess.)
-    template = getattr(tokenizer, "chat_template", None)
+    if os.path.isdir(key) and isinstance(template, str) and "<start_of_turn>" in template:
+        return "gemma3"
     if os.path.isdir(key) and isinstance(template, str) and "<|start_header_id|>" in template:
         return "llama3"
     if os.path.isdir(key) and isinstance(template, str) and "<|im_start|>" in template:
@@ -117,6 +134,8 @@ __all__ = [
     "BuildStats",
     "ChatMLRenderer",
     "HermesRenderer",
+    "Gemma3Renderer",
+    "Llama31Renderer",
     "Llama3Renderer",
     "MODEL_RENDERERS",
     "Qwen3Renderer",

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from tracegym.render.toolcalls import to_openai_messages
 from tracegym.render.trajectory_examples import BuildStats, build_examples
 from tracegym.types import Message, ParsedCompletion, Trajectory, TrainingExample
 
@@ -96,6 +97,12 @@ class Renderer(ABC):
 
     # The role of tool-result turns with ``untrusted_tool_output="role"``.
     untrusted_role: str = "untrusted"
+    # True when the family writes reasoning in the assistant content (Qwen3's ``<think>`` blocks): the
+    # conformance suite (``tracegym.render.conformance``) then adds a conversation that reasons.
+    reasoning: bool = False
+    # Template text right after an assistant turn's end-of-turn token (Gemma's "\n"); the default
+    # ``continue_prompt`` writes it before the new messages.
+    after_turn: str = ""
 
     def __init__(self, tokenizer: Any, *, untrusted_tool_output: UntrustedToolOutput = "none"):
         if untrusted_tool_output not in UNTRUSTED_TOOL_OUTPUT_MODES:
@@ -232,7 +239,6 @@ class Renderer(ABC):
         """Token ids of the generation prompt for the next assistant turn."""
         return self.render_ids(messages, tools, add_generation_prompt=True)
 
-    @abstractmethod
     def continue_prompt(
         self,
         previous_prompt: Sequence[int],
@@ -244,7 +250,14 @@ class Renderer(ABC):
         Appends whatever the template puts after an assistant turn (closing the turn with the
         end-of-turn token when the completion was cut before it), then ``new_messages`` (tool
         results, user turns) and the generation prompt. The sampled tokens are kept exactly.
+        This default serves a template that writes ``after_turn`` between an assistant turn's
+        end-of-turn token and the next turn; a family that rewrites history overrides it.
         """
+        ids = list(previous_prompt) + list(completion_ids)
+        if not completion_ids or completion_ids[-1] not in self.stop_token_ids:
+            ids.append(self._special_ids[self.end_of_turn])  # cut by max_tokens: close the turn
+        between = [text(self.after_turn)] if self.after_turn else []
+        return ids + self._segments_to_ids(between + self._layout(new_messages, None, start=False) + self._generation_prompt())
 
     def encode_completion(self, message: Message) -> list[int]:
         """The token ids a model must generate to produce this assistant message (end-of-turn
@@ -261,6 +274,29 @@ class Renderer(ABC):
     @abstractmethod
     def _parse_assistant_text(self, value: str) -> tuple[Message, tuple[str, ...]]:
         """Assistant text -> (message, errors); the inverse of ``_assistant_text``, never raising."""
+
+    # -- what a chat template gets (the conformance suite, ``conformance.py``) ------------------
+    def template_inputs(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None, template_knows_tools: bool
+    ) -> tuple[list[dict[str, Any]], list[dict] | None]:
+        """``(messages in the OpenAI format, tools)`` that a chat template of this family renders into
+        what this renderer renders. ``template_knows_tools``: the template renders a ``tools`` argument;
+        when it does not, the tool parts go into the messages as text (``inline_tool_messages``)."""
+        if template_knows_tools:
+            return to_openai_messages(messages), (list(tools) if tools else None)
+        return self.inline_tool_messages(messages, tools), None
+
+    def inline_tool_messages(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> list[dict[str, Any]]:
+        """The conversation for a template that knows no tools: the tools block, calls and results
+        written into plain messages the way this renderer writes them. This default leaves them out;
+        families with a plain-text tool convention (``smollm2``, ``llama3``, ``gemma3``) override it."""
+        return to_openai_messages(messages)
+
+    def canonical_message(self, message: Message) -> Message:
+        """``message`` as this family's template shows it (what ``parse_completion`` of
+        ``encode_completion(message)`` gives back). The same message here; a template that drops
+        the text next to a tool call (Meta's Llama 3.1 template) drops it."""
+        return message
 
     # -- parsing -------------------------------------------------------------------------------
     def parse_completion(self, completion_ids: Sequence[int]) -> ParsedCompletion:

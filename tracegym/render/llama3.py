@@ -179,6 +179,21 @@ class Llama3Renderer(Renderer):
                 segments += self._turn(message.role, message.content)
         return segments
 
+    def inline_tool_messages(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> list[dict[str, Any]]:
+        """For Llama 3's plain template: the tools block ends the system message, calls are JSON
+        lines of the assistant text, results are ``ipython`` messages."""
+        tools_text = self.with_untrusted_notice(tools_block(tools, self.tool_role("ipython"))) if tools else None
+        system, rest = split_system_message(messages, tools_text)
+        out = [{"role": "system", "content": system}] if system is not None else []
+        for message in rest:
+            if message.role == "assistant":
+                out.append({"role": "assistant", "content": self._assistant_text(message)})
+            elif message.role == "tool":
+                out.append({"role": self.tool_role("ipython"), "content": self.tool_content(message.content)})
+            else:
+                out.append({"role": message.role, "content": message.content})
+        return out
+
     # -- tool-call convention (Llama 3.1 JSON call lines, above) ---------------------------------
     def _assistant_text(self, message: Message) -> str:
         return serialize_assistant(message)

@@ -148,6 +148,7 @@ class Qwen3Renderer(ChatMLRenderer):
 
     name = "qwen3"
     history_preserving = False
+    reasoning = True
 
     def __init__(
         self, tokenizer: Any, enable_thinking: bool = True, *, untrusted_tool_output: UntrustedToolOutput = "none"

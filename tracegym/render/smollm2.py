@@ -11,6 +11,7 @@ message contents, the text equals the tokenizer's own template output (golden te
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tracegym.render.base import Segment
 from tracegym.render.chatml import ChatMLRenderer, tools_block
@@ -34,6 +35,26 @@ class SmolLM2Renderer(ChatMLRenderer):
             return None if has_system or not messages else DEFAULT_SYSTEM_PROMPT
         base = messages[0].content if has_system else DEFAULT_SYSTEM_PROMPT
         return f"{base}\n\n{self.with_untrusted_notice(tools_block(tools))}"
+
+    def inline_tool_messages(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> list[dict[str, Any]]:
+        """For SmolLM2's own template (no tools): the tools block in the system message, calls as
+        ``<tool_call>`` blocks in the assistant text, results as ``tool`` messages."""
+        out: list[dict[str, Any]] = []
+        rest = list(messages)
+        if tools:  # without tools the template writes the system message (or its default) itself
+            out.append({"role": "system", "content": self.system_text(messages, tools)})
+            rest = rest[1:] if rest and rest[0].role == "system" else rest
+        for message in rest:
+            out.append(self._plain_message(message))
+        return out
+
+    def _plain_message(self, message: Message) -> dict[str, Any]:
+        """One message with its tool parts written as text (``inline_tool_messages``)."""
+        if message.role == "assistant":
+            return {"role": "assistant", "content": self._assistant_text(message)}
+        if message.role == "tool":
+            return {"role": self.tool_role("tool"), "content": self.tool_content(message.content)}
+        return {"role": message.role, "content": message.content}
 
     def _layout(self, messages: Sequence[Message], tools: Sequence[dict] | None, start: bool) -> list[Segment]:
         segments: list[Segment] = []
