@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tracegym.config._base import _Section
 
@@ -80,21 +80,103 @@ class CheckpointConfig(_Section):
     """Number of most recent checkpoints kept on disk; older ones are deleted."""
 
 
+TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
+"""The experiment trackers ``logging.backends`` can list (``tracegym.train.tracking``, docs/tracking.md)."""
+
+class MlflowConfig(_Section):
+    """MLflow tracking (``mlflow`` in ``logging.backends``)."""
+
+    tracking_uri: str | None = None
+    """Where runs are recorded: a server (``http://host:5000``), a database (``sqlite:///path/mlflow.db``)
+    or a folder (``file:///path``: MLflow 3 wants ``MLFLOW_ALLOW_FILE_STORE=true`` for it). None:
+    ``MLFLOW_TRACKING_URI`` when set, else a SQLite store in ``<output_dir>/mlflow/mlflow.db``."""
+
+    experiment: str = "tracegym"
+    """MLflow experiment the run is recorded in (created when missing)."""
+
+
+class WandbConfig(_Section):
+    """Weights & Biases tracking (``wandb`` in ``logging.backends``)."""
+
+    project: str = "tracegym"
+    """W&B project name."""
+
+    entity: str | None = None
+    """W&B team or user the project belongs to; None: the account's default."""
+
+    mode: Literal["auto", "offline", "online"] = "auto"
+    """``auto``: what ``WANDB_MODE`` says when it is ``offline`` or ``online``, else online exactly when
+    ``WANDB_API_KEY`` is set. Offline runs are files under ``<output_dir>/wandb``, uploaded later with
+    ``wandb sync``; ``offline`` never uses the network."""
+
+
+def _backends_from_old_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``logging`` with the keys of before ``backends`` turned into it: ``tensorboard: bool`` and
+    ``wandb: bool`` add or remove that backend, ``wandb_project`` is ``wandb.project``."""
+    out = dict(data)
+    switches: dict[str, bool] = {}
+    for name in ("tensorboard", "wandb"):
+        value = out.get(name)
+        if isinstance(value, bool):
+            switches[name] = out.pop(name)
+        elif name == "tensorboard" and name in out:
+            raise ValueError(f"logging.tensorboard must be true or false, got {value!r} (or list tensorboard in logging.backends)")
+        elif name == "wandb" and value is not None and not isinstance(value, (dict, BaseModel)):
+            raise ValueError(f"logging.wandb is a section (project, entity, mode), got {value!r}: "
+                             "list wandb in logging.backends to turn it on")
+    if "wandb_project" in out:
+        wandb = out.get("wandb")
+        wandb = wandb.model_dump() if isinstance(wandb, BaseModel) else dict(wandb or {})
+        wandb.setdefault("project", out.pop("wandb_project"))
+        out["wandb"] = wandb
+    if switches:
+        backends = list(out.get("backends") or ["tensorboard"])
+        for name, on in switches.items():
+            backends = [b for b in backends if b != name] + ([name] if on else [])
+        out["backends"] = backends
+    return out
+
+
 class LoggingConfig(_Section):
-    tensorboard: bool = True
-    """Write TensorBoard event files into ``<output_dir>/tensorboard``."""
+    backends: list[TrackingBackend] = Field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that get the run's config, metrics per logged step and, at the end, the final
+    model and report (docs/tracking.md): ``tensorboard`` (``<output_dir>/tensorboard``), ``mlflow``,
+    ``wandb``. ``metrics.jsonl`` is always written. The old ``tensorboard: false``, ``wandb: true`` and
+    ``wandb_project`` keys still work: they edit this list (and ``wandb.project``)."""
 
-    wandb: bool = False
-    """Also log to Weights & Biases (the ``wandb`` package must be installed)."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """MLflow settings, used when ``backends`` lists ``mlflow``."""
 
-    wandb_project: str = "tracegym"
-    """W&B project name (used only when ``wandb`` is true)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """W&B settings, used when ``backends`` lists ``wandb``."""
+
+    artifacts: bool = True
+    """At the end of a run, give the trackers that keep files (mlflow, wandb) the final model folder and
+    the run's ``report.html`` when it has one. The folder of a full fine-tune holds the whole model."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Longest a tracker may take over one call (opening, a step's metrics, an artifact, closing); one
+    that takes longer, or fails, is reported once and switched off for the rest of the run. Training
+    never stops for a tracker."""
 
     progress: bool = True
     """Show a progress bar with ETA on the terminal."""
 
     log_every: int = Field(1, ge=1)
-    """Write metrics every this many optimizer steps (metrics.jsonl, TensorBoard, W&B)."""
+    """Write metrics every this many optimizer steps (metrics.jsonl and every backend)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        return _backends_from_old_keys(data) if isinstance(data, dict) else data
+
+    @field_validator("backends")
+    @classmethod
+    def _once_each(cls, backends: list[str]) -> list[str]:
+        twice = sorted({b for b in backends if backends.count(b) > 1})
+        if twice:
+            raise ValueError(f"logging.backends lists {', '.join(twice)} more than once")
+        return backends
 
 
 AttackKind = Literal["forbidden_tool", "exfiltrate", "answer_override"]

@@ -46,12 +46,12 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def start_logging(run: Any, resume: bool, total_steps: int, label: str, log_start: Callable[[], None]) -> None:
-    """Open ``run``'s metrics log (``run.logger``: metrics.jsonl, TensorBoard, W&B as ``cfg.logging`` says,
+    """Open ``run``'s metrics log (``run.logger``: metrics.jsonl and the trackers of ``cfg.logging.backends``,
     with the config; continued after ``run.step`` when resumed), write row 0 with ``log_start()`` when the
     run starts fresh, and start the progress bar named ``label`` (``run.progress``)."""
     cfg = run.cfg
-    run.logger = MetricsLogger(run.run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
-                               config=cfg.model_dump(mode="json"), resume_step=run.step if resume else None)
+    run.logger = MetricsLogger(run.run_dir, settings=cfg.logging, config=cfg.model_dump(mode="json"),
+                               resume_step=run.step if resume else None)
     if run.step == 0:
         log_start()
     run.progress = ProgressBar(total_steps, label, enabled=cfg.logging.progress, completed=run.step)

@@ -571,7 +571,7 @@ def train_distill(cfg: DistillConfig, resume: bool = False, stop_at_step: int | 
             "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
         run.teacher.close()
     return DistillResult(run.run_dir, final_dir, run.step, run.history)
 

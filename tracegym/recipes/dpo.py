@@ -369,7 +369,7 @@ def train_dpo(cfg: DPOConfig, resume: bool = False, stop_at_step: int | None = N
             "recipe": "dpo", "loss": cfg.loss.name})
     finally:
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
     return DPOResult(run.run_dir, final_dir, run.step, run.history)
 
 

@@ -206,7 +206,7 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
     finally:
         run.executor.close()
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
     return RLResult(run.run_dir, final_dir, run.step, run.history)
 
 

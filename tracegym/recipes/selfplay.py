@@ -168,7 +168,7 @@ def train_selfplay(cfg: RLConfig, resume: bool = False, stop_at_step: int | None
     finally:
         run.proposer_env.close()
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
     return TrainResult(run.run_dir, final_dir, run.step, run.history)
 
 

@@ -200,7 +200,7 @@ def train_sft(cfg: SFTConfig, resume: bool = False, stop_at_step: int | None = N
             "recipe": "sft"})
     finally:
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
     return SFTResult(run.run_dir, final_dir, run.step, run.history)
 
 

@@ -230,7 +230,7 @@ def train_team(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = N
             "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
         run.progress.close()
-        run.logger.close()
+        run.logger.close(final_dir)
     return TrainResult(run.run_dir, final_dir, run.step, run.history)
 
 

@@ -1,10 +1,14 @@
-"""Metrics sinks shared by the recipes: metrics.jsonl, TensorBoard, W&B, and progress output.
+"""Metrics sinks shared by the recipes: metrics.jsonl, the experiment trackers, and progress output.
 
-``MetricsLogger(run_dir)`` writes one JSON line per logged step to ``<run_dir>/metrics.jsonl``
-(flushed at once, so a crash loses nothing already logged), scalars to TensorBoard event files in
-``<run_dir>/tensorboard`` and, when asked, to Weights & Biases. A resumed run passes
-``resume_step``: lines for later steps (logged after the checkpoint, before the crash) are dropped
-from metrics.jsonl and purged from TensorBoard, so every step appears exactly once.
+``MetricsLogger(run_dir, settings=cfg.logging, config=...)`` writes one JSON line per logged step to
+``<run_dir>/metrics.jsonl`` (flushed at once, so a crash loses nothing already logged) and hands the
+run's config (secrets masked), each step's scalars and, at ``close(final_dir)``, the final model and
+``report.html`` to the trackers ``logging.backends`` lists: TensorBoard event files in
+``<run_dir>/tensorboard``, MLflow, W&B (``tracegym.train.tracking``; docs/tracking.md). A tracker
+that fails or hangs is reported once and switched off; training goes on. A missing tracker package
+is an error before anything is opened. A resumed run passes ``resume_step``: lines for later steps
+(logged after the checkpoint, before the crash) are dropped from metrics.jsonl and purged from
+TensorBoard, so every step appears exactly once there.
 """
 
 from __future__ import annotations
@@ -16,14 +20,28 @@ import resource
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from tracegym.closing import ClosesOnExit
+from tracegym.config.shared import LoggingConfig
+from tracegym.train.tracking import (
+    GuardedTracker,
+    Requirement,
+    TensorBoardTracker,
+    Tracker,
+    redact,
+    require_packages,
+)
+from tracegym.train.tracking_mlflow import mlflow_requirements, mlflow_uri, open_mlflow
+from tracegym.train.tracking_wandb import WANDB_REQUIREMENTS, open_wandb
 from tracegym.types import read_json_rows
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+REPORT_FILE = "report.html"  # the HTML report a recipe may write into its run dir (tracegym.eval.report)
+_TENSORBOARD_NEEDS = [Requirement("tensorboard", "tensorboard", "pip install tensorboard")]
 
 
 def process_rss_mb() -> float:
@@ -60,8 +78,31 @@ def _as_number(value: Any) -> float | int | None:
     return None
 
 
+def tracker_openers(run_dir: Path, settings: LoggingConfig,
+                    resume_step: int | None) -> list[tuple[str, Callable[[], Tracker]]]:
+    """(name, opener) of each backend of ``settings.backends``, in order; a backend whose package is
+    missing raises ``MissingTrackerPackage`` here, before anything is opened."""
+    openers: list[tuple[str, Callable[[], Tracker]]] = []
+    for name in settings.backends:
+        if name == "tensorboard":
+            require_packages(name, _TENSORBOARD_NEEDS)
+            openers.append((name, partial(TensorBoardTracker, run_dir / TENSORBOARD_DIR, resume_step)))
+        elif name == "mlflow":
+            uri = mlflow_uri(run_dir, settings, os.environ)
+            require_packages(name, mlflow_requirements(uri))
+            openers.append((name, partial(open_mlflow, run_dir, settings, resume_step, uri)))
+        elif name == "wandb":
+            require_packages(name, WANDB_REQUIREMENTS)
+            openers.append((name, partial(open_wandb, run_dir, settings, resume_step)))
+    return openers
+
+
 class MetricsLogger(ClosesOnExit):
-    """Log scalar metrics per step to metrics.jsonl, TensorBoard and (optionally) W&B."""
+    """Log scalar metrics per step to metrics.jsonl and the trackers of ``settings.backends``.
+
+    ``settings`` is the recipe's ``logging`` section; without it the older arguments ``tensorboard``,
+    ``wandb`` and ``wandb_project`` build one (as the old config keys do).
+    """
 
     def __init__(
         self,
@@ -71,17 +112,13 @@ class MetricsLogger(ClosesOnExit):
         wandb_project: str = "tracegym",
         config: Mapping[str, Any] | None = None,
         resume_step: int | None = None,
+        *,
+        settings: LoggingConfig | None = None,
     ):
-        wandb_module = None
-        if wandb:  # fail before anything is opened or truncated
-            try:
-                import wandb as wandb_module
-            except ImportError:
-                raise RuntimeError(
-                    "logging.wandb is true but the wandb package is not installed: "
-                    "pip install wandb, or set logging.wandb=false"
-                ) from None
+        if settings is None:
+            settings = LoggingConfig(tensorboard=tensorboard, wandb=wandb, wandb_project=wandb_project)
         self.run_dir = Path(run_dir)
+        openers = tracker_openers(self.run_dir, settings, resume_step)  # fails before anything is opened or truncated
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None:
@@ -89,33 +126,11 @@ class MetricsLogger(ClosesOnExit):
         elif self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file
         self._file = open(self.path, "a", encoding="utf-8")
-
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops events of steps >= it written by the crashed part of a resumed run.
-            purge = resume_step + 1 if resume_step is not None else None
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
-
-        self._wandb = None
-        if wandb_module is not None:
-            self._wandb = wandb_module.init(
-                project=wandb_project,
-                dir=str(self.run_dir),
-                config=dict(config or {}),
-                resume="allow",
-                id=self._wandb_run_id(),
-            )
-
-    def _wandb_run_id(self) -> str:
-        """A W&B run id kept in the run dir, so a resumed run continues the same W&B run."""
-        id_file = self.run_dir / "wandb_run_id"
-        if id_file.is_file():
-            return id_file.read_text(encoding="utf-8").strip()
-        run_id = os.urandom(8).hex()
-        id_file.write_text(run_id, encoding="utf-8")
-        return run_id
+        self.trackers = [GuardedTracker(name, opener, settings.timeout_s) for name, opener in openers]
+        self.artifacts = settings.artifacts
+        params = redact(dict(config or {}))
+        for tracker in self.trackers:
+            tracker.log_params(params)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.is_file():
@@ -143,23 +158,26 @@ class MetricsLogger(ClosesOnExit):
         self._file.flush()
         scalars = {k: _as_number(v) for k, v in metrics.items()}
         scalars = {k: v for k, v in scalars.items() if v is not None}
-        if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, global_step=step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+        if scalars:
+            for tracker in self.trackers:
+                tracker.log_metrics(step, scalars)
         return row
 
-    def close(self) -> None:
+    def close(self, final_dir: str | Path | None = None) -> None:
+        """Close metrics.jsonl and end each tracker's run: with ``final_dir`` (the saved final model)
+        the run completed, and that folder and ``report.html`` (when the run dir has one) are logged
+        as artifacts first (``logging.artifacts``); without it the run ended early (a crash, a stop: ``--resume`` continues it)."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        logs_outputs = final_dir is not None and self.artifacts
+        outputs = [(Path(final_dir), "final", "model")] if logs_outputs else []
+        if logs_outputs and (self.run_dir / REPORT_FILE).is_file():
+            outputs.append((self.run_dir / REPORT_FILE, "report", "report"))
+        for tracker in self.trackers:
+            for path, name, kind in outputs:
+                tracker.log_artifact(path, name, kind)
+            tracker.finish(completed=final_dir is not None)
+        self.trackers = []
 
 
 def _duration_text(seconds: float) -> str:
