@@ -144,6 +144,7 @@ def main() -> None:
             "label": args.label, "estimator": cfg.advantage.estimator, "seed": seed, "rl_minutes": rl_minutes, "lr": demo_rl_lr(demo), "steps": cfg.steps,
             "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size, "kl_coef": cfg.policy_loss.get("kl_coef", 0.0),
             "guidance_groups": cfg.guidance.groups if cfg.guidance else None,
+            "expert_replay": cfg.expert_replay.model_dump() if cfg.expert_replay else None,
             "train_temperature": cfg.rollout.temperature, "eval_temperature": demo.temperature,
             "sft": comparison["stages"]["sft"]["pass@1"], "sft_ci": comparison["stages"]["sft"]["pass@1_ci"],
             "rl": comparison["stages"]["rl"]["pass@1"], "rl_ci": comparison["stages"]["rl"]["pass@1_ci"],

@@ -61,9 +61,13 @@ def test_the_rl_stage_takes_the_demo_settings():
     assert holds.guidance is not None and holds.guidance.groups == "all_failed" and holds.max_policy_drift == 0.02
     every = rl_stage_config(DemoConfig(rl_guidance=True, rl_guidance_groups="every"), "a", "b")
     assert every.guidance is not None and every.guidance.groups == "every"
+    anchored = rl_stage_config(DemoConfig(rl_kl_coef=0.3, rl_expert_replay=0.5, rl_steps=10, rl_tasks_per_step=8), "a", "b")
+    assert anchored.policy_loss["kl_coef"] == 0.3
+    assert anchored.expert_replay is not None and anchored.expert_replay.model_dump() == {"coef": 0.5, "tasks": 80, "per_step": 8}
     assert holds.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
     assert holds.rollout.temperature == holds.eval.temperature == DemoConfig().temperature
     # the one-call main job keeps the settings its README block was measured with
     main_job = rl_stage_config(DemoConfig(), "a", "b")
-    assert (main_job.optim.lr, main_job.guidance, main_job.max_policy_drift) == (2e-4, None, None)
+    assert (main_job.optim.lr, main_job.guidance, main_job.max_policy_drift, main_job.expert_replay) == (2e-4, None, None, None)
+    assert main_job.policy_loss["kl_coef"] == 0.0
     assert "reward_parts" not in main_job.env.options

@@ -71,6 +71,7 @@ from tracegym.config._base import (  # noqa: F401
 )
 from tracegym.config.rl import (  # noqa: F401
     ExecutorConfig,
+    ExpertReplayConfig,
     GuidanceConfig,
     HealthConfig,
     RoleConfig,

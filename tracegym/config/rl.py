@@ -193,6 +193,25 @@ class GuidanceConfig(_Section):
     """LUFFY's policy shaping ``f(x) = x / (x + gamma)``: smaller gamma weighs unlikely tokens more."""
 
 
+class ExpertReplayConfig(_Section):
+    """PPO-ptx's mix (Ouyang et al. 2022) with the env's expert in place of pretraining data: every
+    step adds ``coef`` x the mean NLL per assistant token of ``per_step`` expert traces to the policy
+    loss, in a fixed rotation through the traces of the first ``tasks`` train tasks. It holds the
+    decisions the step's own samples do not reach: a policy-gradient (or KL) term acts only on the
+    contexts the batch sampled, while one LoRA update moves a decision in every context that shares
+    its features (docs/algorithms.md, "Why RL lost the strong start")."""
+
+    coef: float = Field(0.1, gt=0)
+    """Weight of the expert NLL (mean per assistant token) next to the policy loss."""
+
+    tasks: int = Field(64, gt=0)
+    """Train tasks whose expert traces (those the expert solves, within ``max_length``) form the pool."""
+
+    per_step: int = Field(8, gt=0)
+    """Expert traces per optimizer step, taken in order through the pool and around (step k uses
+    traces ``k * per_step ...``: a resumed run replays what an uninterrupted one would)."""
+
+
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
 
@@ -315,6 +334,12 @@ class RLConfig(_Section):
     """Off-policy guidance (LUFFY) for groups whose samples all failed: the env's expert trajectory
     of the task joins the group before advantages, with LUFFY's shaped importance weight. None: off."""
 
+    expert_replay: ExpertReplayConfig | None = None
+    """An NLL term on the env's expert traces in every policy update (PPO-ptx's mix; ``{}`` for the
+    defaults): keeps the decisions the step's samples do not reach. It joins the update of the step's
+    samples (a step with no examples to train, e.g. every group uniform and skipped, takes no step).
+    Single-agent runs; None: off."""
+
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
@@ -340,6 +365,8 @@ class RLConfig(_Section):
                 raise ValueError("roles: at least one role must train (train: true)")
         if self.max_policy_drift is not None and self.health.drift_rows == 0:
             raise ValueError("max_policy_drift measures the drift on health.drift_rows rows; set drift_rows > 0")
+        if self.expert_replay is not None and (self.roles or self.selfplay is not None):
+            raise ValueError("expert_replay: the env's expert plays single-agent episodes; drop it for roles or selfplay")
         if self.guidance is not None and (self.roles or self.selfplay is not None or self.rollout.strategy != "chains"):
             raise ValueError("guidance: an expert trajectory joins a group of independent chains; it needs "
                              "rollout.strategy: chains and a single-agent run (no roles or selfplay)")

@@ -126,6 +126,12 @@ class DemoConfig(_Section):
     representation otherwise drags along (docs/algorithms.md, "Why RL lost the strong start").
     0: off. Costs one reference forward per row."""
 
+    rl_expert_replay: float = Field(0.0, ge=0.0)
+    """Weight of the RL stage's expert-replay term (``RLConfig.expert_replay``, PPO-ptx's mix with
+    the env's expert): every update adds this x the mean NLL of ``rl_tasks_per_step`` expert traces,
+    in rotation through the RL train tasks, which holds the decisions the step's samples do not
+    reach (docs/algorithms.md, "Why RL lost the strong start"). 0: off."""
+
     micro_batch_size: int = Field(1, gt=0)
     """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
     cores, is also faster (rows of one pass are padded to the longest). Measured on the demo's data
@@ -268,6 +274,8 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": cfg.rl_kl_coef},
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
         guidance={"groups": cfg.rl_guidance_groups} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
+        expert_replay={"coef": cfg.rl_expert_replay, "tasks": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8),
+                       "per_step": cfg.rl_tasks_per_step} if cfg.rl_expert_replay > 0 else None,
         eval={"every": 0, "at_start": False, "temperature": cfg.temperature}, seed=cfg.seed, output_dir=str(output_dir),
         checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
     )

@@ -64,7 +64,8 @@ from tracegym.config import RLConfig, dump_config
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import InjectionEnv
 from tracegym.recipes._run import check_resumed_tasks, check_run_dir, split_tasks, start_logging, step_times, stops_here
-from tracegym.rl.collect import drop_overlong, evaluate_policy, guide_groups, rollout_metrics, starting_probe
+from tracegym.rl.collect import drop_overlong, evaluate_policy, expert_replay_pool, guide_groups, replay_examples, rollout_metrics
+from tracegym.rl.collect import starting_probe
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.executors.factory import make_executor
 from tracegym.rl.policy import load_policy, make_renderer, make_sampler
@@ -138,6 +139,7 @@ class RLRun:
     step: int = 0
     cursor: int = 0  # task slots consumed so far (more than steps x tasks_per_step with resampling)
     history: list[dict[str, Any]] = field(default_factory=list)
+    replay_pool: list[list[Any]] = field(default_factory=list)  # expert_replay: each solved train task's examples
 
     @property
     def eval_seed(self) -> int:
@@ -241,7 +243,8 @@ def prepare_run(cfg: RLConfig, resume: bool) -> RLRun:
                 health_monitor=HealthMonitor.from_config(cfg.health),
                 probe=build_probe(starting_probe(cfg, train_tasks, renderer), pad_id), pad_id=pad_id,
                 temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-                train_tasks=train_tasks, test_tasks=test_tasks)
+                train_tasks=train_tasks, test_tasks=test_tasks,
+                replay_pool=expert_replay_pool(cfg, train_tasks, renderer))
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
     if restored is not None:
@@ -355,12 +358,16 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
     if cfg.guidance is not None:  # LUFFY's shaped importance weight on the expert's tokens
         batch = shape_guidance(batch, guidance_rows(collected.groups, data.group_index, data.trajectory_index),
                                cfg.guidance.shaping_gamma)
+    replay = None
+    if run.replay_pool:  # PPO-ptx's mix with the expert: this step's traces, a function of the step
+        examples = replay_examples(run.replay_pool, run.step + 1, cfg.expert_replay.per_step)  # type: ignore[union-attr]
+        replay = (make_batch(examples, pad_token_id=run.pad_id), cfg.expert_replay.coef)  # type: ignore[union-attr]
     sample = drift_rows(batch, cfg.health.drift_rows)
     before = trainable_state(run.model) if cfg.max_policy_drift is not None and sample is not None else None
     metrics = policy_update(run.model, batch, run.loss_cfg, run.optimizer, run.scheduler, epochs=cfg.ppo_epochs,
                             micro_batch_size=cfg.micro_batch_size, temperature=run.temperature,
                             max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                            train_mode=cfg.model.gradient_checkpointing)
+                            train_mode=cfg.model.gradient_checkpointing, replay=replay)
     # how far the update moved the policy; over max_policy_drift, a shorter step or none
     if before is not None:
         metrics.update(cap_drift(run.model, before, sample, max_kl=cfg.max_policy_drift,

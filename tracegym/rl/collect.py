@@ -165,6 +165,30 @@ def starting_probe(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> 
     return examples
 
 
+def expert_replay_pool(cfg: RLConfig, train_tasks: Sequence[Any], renderer: Any) -> list[list[Any]]:
+    """``expert_replay``'s pool: per train task the expert solved (of the first ``tasks``), its
+    training examples. [] when off; ValueError when the expert solves none (a mix of nothing)."""
+    if cfg.expert_replay is None:
+        return []
+    tasks = list(train_tasks)[: cfg.expert_replay.tasks]
+    solved = expert_episodes(cfg, tasks, renderer, seed=cfg.seed + 37)
+    pool = [renderer.build_examples(solved[task.id]) for task in tasks if task.id in solved]
+    if not pool:
+        raise ValueError(f"expert_replay: the expert of env {cfg.env.name!r} solved none of {len(tasks)} train tasks "
+                         "within the rollout limits; it needs an env with a working expert_action")
+    log.info("expert_replay: %d of %d train tasks solved by the expert form the pool", len(pool), len(tasks))
+    return pool
+
+
+def replay_examples(pool: Sequence[Sequence[Any]], step: int, per_step: int) -> list[Any]:
+    """The examples of step ``step`` (1-based): ``per_step`` pool entries from ``(step - 1) *
+    per_step`` on, around the pool's end; a function of the step alone, so resuming replays alike."""
+    if not pool:
+        return []
+    start = (step - 1) * per_step
+    return [example for i in range(start, start + per_step) for example in pool[i % len(pool)]]
+
+
 def evaluate_policy(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[Any], seed: int) -> dict[str, float]:
     """pass@1 and success rate of the current policy on held-out tasks (as many samples as configured)."""
     from tracegym.eval import summarize

@@ -120,6 +120,22 @@ def reduce_part_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def replay_nll_backward(model: torch.nn.Module, batch: Batch, coef: float, micro_batch_size: int) -> dict[str, float]:
+    """Add ``coef`` x the mean NLL per loss-masked token of ``batch`` to the gradients (backward per
+    micro-batch, each part's sum over the whole batch's token count, so the sum is the mean) and
+    return ``{"replay_nll": mean NLL}``. The expert-replay term of ``RLConfig.expert_replay``."""
+    device = next(model.parameters()).device
+    tokens = float(batch.loss_mask.sum().clamp(min=1.0))
+    total = 0.0
+    for part in split_microbatches(batch, micro_batch_size, keep_trajectories=False):
+        part = part.to(device)
+        logprobs = token_logprobs(model, part.input_ids, part.attention_mask, 1.0, first_column=part.first_loss_column)
+        nll = -(logprobs * part.loss_mask).sum()  # [B, T] -> summed over the part's assistant tokens
+        (coef * nll / tokens).backward()
+        total += float(nll.detach())
+    return {"replay_nll": total / tokens}
+
+
 def policy_update(
     model: torch.nn.Module,
     batch: Batch,
@@ -133,8 +149,12 @@ def policy_update(
     max_grad_norm: float | None,
     train_mode: bool = False,
     micro_batch_tokens: int | None = None,
+    replay: tuple[Batch, float] | None = None,
 ) -> dict[str, float]:
     """``epochs`` optimizer passes over ``batch``; returns ``train/<metric>`` values (see module doc).
+
+    ``replay``: ``(expert batch, coef)``; each pass adds ``coef`` x its mean NLL per assistant token to
+    the gradients before the step (``replay_nll_backward``; PPO-ptx's mix).
 
     ``micro_batch_tokens``: cut micro-batches by the tokens the forward computes (a prefix the rows
     share counted once, ``split_by_computed_tokens``) instead of ``micro_batch_size`` rows.
@@ -163,6 +183,8 @@ def policy_update(
                 loss.backward()
                 parts.append(metrics)
             per_epoch.append(reduce_part_metrics(parts))
+            if replay is not None:
+                per_epoch[-1].update(replay_nll_backward(model, replay[0], replay[1], micro_batch_size))
             grad_norms.append(clip_gradients(model.parameters(), max_grad_norm))
             lrs.append(scheduler.get_last_lr()[0])
             optimizer.step()
@@ -183,4 +205,5 @@ def policy_update(
     return out
 
 
-__all__ = ["batch_logprobs", "needs_old_logprobs", "policy_update", "reduce_part_metrics", "reference_logprobs", "score_batch"]
+__all__ = ["batch_logprobs", "needs_old_logprobs", "policy_update", "reduce_part_metrics", "reference_logprobs", "replay_nll_backward",
+           "score_batch"]
