@@ -22,6 +22,7 @@ from tracegym.envs.episode import (
     run_episode,
     run_episodes,
 )
+from tracegym.render.call_errors import failure_metrics
 from tracegym.types import Message, StepResult, Trajectory
 
 
@@ -97,7 +98,9 @@ def test_token_policy_turns_rewards_and_observations() -> None:
     assert t.turns[0].completion_ids == (10, 11, 12) and t.turns[0].completion_logprobs == (-0.1,) * 3
     assert t.turns[0].parse_errors == ("bad",) and env.seen_errors[0] == ("bad",)
     assert t.turns[1].env_messages == (Message(role="user", content="obs2"),)
-    assert t.turns[2].metrics == {"success": 1.0, "steps": 3.0} and t.metrics == {"success": 1.0, "steps": 3.0}
+    assert t.turns[2].metrics == {"success": 1.0, "steps": 3.0}
+    # the episode's failed calls by reason: turn 0's error text "bad" names none of them
+    assert t.metrics == {"success": 1.0, "steps": 3.0, **failure_metrics({"other": 1})}
     # what the policy saw: the conversation so far, and the env's last answer
     assert [len(o.messages) for o in policy.observations] == [2, 4, 6]
     assert policy.observations[0].new_messages == policy.observations[0].messages

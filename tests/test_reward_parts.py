@@ -20,6 +20,7 @@ from tracegym.envs.base import Env
 from tracegym.envs.check import check_env
 from tracegym.envs.episode import Action, Observation, TokenData, play_episode, run_episode
 from tracegym.envs.rewards import RewardParts
+from tracegym.render.call_errors import failure_metrics
 from tracegym.rollout.branches import BranchEnv, recorded_action
 from tracegym.types import Message, StepResult, ToolCall, Trajectory
 
@@ -107,7 +108,7 @@ def test_calculator_parts_off_by_default_and_answer_alone_matches_it() -> None:
     # The numbers from before parts existed: the answer's 1.0 on the last turn, no reward/ keys.
     assert [turn.reward for turn in old.turns] == [0.0, 0.0, 0.0, 1.0] and old.reward == 1.0
     assert old.metrics == {"success": 1.0, "tool_calls": 3.0, "tool_errors": 0.0, "tool_timeouts": 0.0,
-                           "parse_errors": 0.0, "tool_output_truncated": 0.0, "turns": 4.0}
+                           "parse_errors": 0.0, "tool_output_truncated": 0.0, "turns": 4.0, **failure_metrics({})}
     assert old.reward_parts == {} and default.reward_range == (0.0, 1.0)
     # Asking for the answer part alone changes no reward, only reports the part.
     answer_only = CalculatorEnv(num_calls=3, reward_parts={"answer": 1.0})

@@ -18,6 +18,7 @@ import torch
 from tracegym.data.store import TrajectoryWriter, export_parquet, read_trajectories
 from tracegym.envs.base import Env, Task
 from tracegym.algos import episode_reward_problems
+from tracegym.render.call_errors import failure_metrics
 from tracegym.rollout import RolloutConfig, logprob_gap, run_rollouts, run_rollouts_sync, zero_reward
 from tracegym.types import Generation, Message, ParsedCompletion, SamplingParams, StepResult, group_trajectories
 
@@ -160,7 +161,7 @@ def test_all_waiting_episodes_share_one_generate_call():
         ("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)]
     t = res.trajectories[0]
     assert t.end_reason == "terminated" and t.success and t.reward == pytest.approx(0.75)
-    assert t.metrics == {"success": 1.0, "tool_calls": 3.0}
+    assert t.metrics == {"success": 1.0, "tool_calls": 3.0, **failure_metrics({})}  # no failed call
     assert len(t.turns) == 3 and len(t.tools) == 1 and t.env == "fake"
     # token-in, token-out: each prompt extends the previous prompt + its sampled ids
     r = ByteRenderer()

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Annotated, Any, Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -56,16 +56,52 @@ class Message(_Frozen):
     name: str | None = None
 
 
+CallFailureReason = Literal["bad_json", "unknown_tool", "bad_args", "truncated", "other"]
+"""Why a tool-call attempt failed (``tracegym.render.call_errors`` says how each is found)."""
+
+CALL_FAILURE_REASONS: tuple[CallFailureReason, ...] = ("bad_json", "unknown_tool", "bad_args", "truncated", "other")
+
+
+class CallError(str):
+    """The error text of a failed tool call that also carries its ``reason``.
+
+    It is a ``str``: everything that shows, compares, stores or sends error texts takes it unchanged
+    (``CallError("x", "bad_json") == "x"``). The reason lives only in memory: written to JSON it is the
+    plain text, which ``tracegym.render.call_errors.error_reason`` classifies again."""
+
+    reason: CallFailureReason
+
+    def __new__(cls, text: str, reason: CallFailureReason) -> CallError:
+        if reason not in CALL_FAILURE_REASONS:
+            raise ValueError(f"reason must be one of {', '.join(CALL_FAILURE_REASONS)}, got {reason!r}")
+        error = super().__new__(cls, text)
+        error.reason = reason
+        return error
+
+    def __reduce__(self) -> tuple[Any, tuple[str, CallFailureReason]]:  # pickle, deepcopy: keep the reason
+        return (CallError, (str(self), self.reason))
+
+
+def _keep_str(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A ``str`` (a :class:`CallError` included) as it is; anything else through pydantic's ``str``."""
+    return value if isinstance(value, str) else handler(value)
+
+
+ErrorText = Annotated[str, WrapValidator(_keep_str)]
+"""A ``str`` field that keeps a :class:`CallError` (pydantic would copy it into a plain ``str``)."""
+
+
 class ParsedCompletion(_Frozen):
     """What the renderer makes of a sampled completion.
 
     ``message`` is always an assistant message. A malformed tool call (bad JSON, wrong shape) is not
     an exception: it lands in ``errors`` as a human-readable text that an environment shows to the
-    model, and the call is left out of ``message.tool_calls``.
+    model, and the call is left out of ``message.tool_calls``. The renderers give each error as a
+    :class:`CallError`, whose ``reason`` says why the call failed.
     """
 
     message: Message
-    errors: tuple[str, ...] = ()
+    errors: tuple[ErrorText, ...] = ()
     ended_with_eot: bool = True  # the completion ended with the end-of-turn token
 
 

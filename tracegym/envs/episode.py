@@ -36,6 +36,13 @@ messages), so its expert trajectories are SFT data.
 Metrics. ``Turn.metrics`` are the numeric entries of that step's info; ``Trajectory.metrics`` those of
 the final step's info (the env's counters are running totals), except the reward parts
 ``reward/<part>`` (``tracegym.envs.rewards``), which are per step and summed over the episode's steps.
+``Trajectory.metrics["parse_errors/<reason>"]`` count the episode's failed tool-call attempts by
+reason (``bad_json``, ``unknown_tool``, ``bad_args``, ``truncated``, ``other``;
+``tracegym.render.call_errors``): every reason, 0 where none, in every episode that declared tools or
+had a failure. They count the action's parse errors (a ``CallError``'s own reason, else the one its
+text names; an open call is ``truncated`` when the turn's ``finish_reason`` is not ``stop``) and the
+parsed calls that name an undeclared tool or whose arguments fail the tool's JSON schema. The loop
+only counts: the action goes to the env unchanged, which answers every failed call with an error.
 
 State keys. Each recorded ``Turn.state_key`` is ``env.state_key()`` taken before that turn's action,
 or, when the env returns None, a 16-hex-digit sha1 of the observations so far (role and content of
@@ -59,10 +66,12 @@ import logging
 import math
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from tracegym.envs.base import Env, Task
+from tracegym.render.call_errors import failure_metrics, turn_failures
 from tracegym.types import (
     REWARD_PART_PREFIX,
     EndReason,
@@ -260,6 +269,7 @@ class _Progress:
     generated: int = 0
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)  # part -> unweighted sum over the steps
+    call_failures: Counter[str] = field(default_factory=Counter)  # reason -> failed call attempts
     last_info: dict[str, Any] = field(default_factory=dict)
     end_reason: EndReason | None = None
     error: str | None = None
@@ -335,6 +345,8 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
                 )
         st.messages.append(action.message)
         st.assistant_turns += 1
+        cut = None if tokens is None else tokens.finish_reason != "stop"
+        st.call_failures.update(turn_failures(action.message, action.parse_errors, st.tools, cut))
         if tokens is not None:
             st.generated += len(tokens.completion_ids)
         try:
@@ -432,6 +444,8 @@ async def play_episode(
         info["reference_calls"] = task.data["reference_calls"]
     metrics = _numeric(st.last_info)
     metrics.update({REWARD_PART_PREFIX + part: total for part, total in st.reward_parts.items()})
+    if st.tools or st.call_failures:
+        metrics.update(failure_metrics(st.call_failures))
     return Trajectory(
         env=st.env_name,
         task_id=task.id,

@@ -16,13 +16,14 @@ from typing import Any
 
 from tracegym.eval.evaluate import DEFAULT_KS, EVAL_FILE, load_eval, summarize, write_eval
 from tracegym.eval.metrics import bootstrap_ci, mean_pass_at_k, pass_at_k, pass_at_k_t
-from tracegym.eval.toolcalls import invalid_call_stats, reference_call_stats
+from tracegym.eval.toolcalls import call_failure_stats, invalid_call_stats, reference_call_stats
 
 __all__ = [
     "DEFAULT_KS",
     "EVAL_FILE",
     "bootstrap_ci",
     "build_report",
+    "call_failure_stats",
     "invalid_call_stats",
     "load_eval",
     "mean_pass_at_k",

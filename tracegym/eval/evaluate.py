@@ -20,7 +20,10 @@ eval.json fields (version 1; keys of ``pass_at`` are strings because JSON keys a
   work), assistant turns, tool calls, and wall time when the runner recorded ``info["wall_time_s"]``.
 - ``tool_calls``: strict call / turn / conversation scores against ``info["reference_calls"]``,
   or null when no trajectory has references. ``invalid_calls``: invalid-call counts and rate,
-  from every trajectory.
+  from every trajectory. ``call_failures``: why calls failed: ``attempted_calls``,
+  ``failed_calls``, ``failure_rate`` and ``by_reason[reason] = {"count", "rate"}`` for ``bad_json``,
+  ``unknown_tool``, ``bad_args``, ``truncated`` and ``other``, rates per call attempt
+  (``toolcalls.call_failure_stats``; the episodes' ``parse_errors/<reason>`` metrics summed).
 - ``end_reasons``: episode count per end reason. ``errors``: env / engine errors and timeouts,
   with the most frequent error texts.
 - ``per_task``: ``{task_id: {"n": n, "solved": {T: c_T}}}`` so later tools (paired comparisons)
@@ -53,7 +56,7 @@ from tracegym.eval.metrics import (
     success_rate,
     valid_ks,
 )
-from tracegym.eval.toolcalls import invalid_call_stats, reference_call_stats
+from tracegym.eval.toolcalls import call_failure_stats, invalid_call_stats, reference_call_stats
 from tracegym.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from tracegym.types import Trajectory, write_jsonl
 
@@ -155,6 +158,7 @@ def summarize(
         },
         "tool_calls": ref_stats.to_dict() if ref_stats is not None else None,
         "invalid_calls": invalid_call_stats(trajectories).to_dict(),
+        "call_failures": call_failure_stats(trajectories).to_dict(),
         "end_reasons": dict(sorted(end_reasons.items())),
         "errors": {
             **{reason: end_reasons.get(reason, 0) for reason in _ERROR_END_REASONS},

@@ -8,7 +8,8 @@
 - an "RL health" figure for every ``metrics.jsonl`` that logged health signals (``HEALTH_PANELS``:
   within-group reward std, informative groups, entropy, policy drift, probe NLL, prompt/response
   MI), with the warning thresholds of the run's config as dashed lines,
-- evaluation tables and plots from every ``eval.json`` (e.g. ``{base,sft,rl}/eval.json``),
+- evaluation tables and plots from every ``eval.json`` (e.g. ``{base,sft,rl}/eval.json``), with a
+  table of why tool calls failed (``call_failures``: count and rate per call attempt of each reason),
 - a sample of trajectories from every JSONL file of trajectories: the conversation with tool calls
   and results, reward and end reason, and, given a decode function, the exact tokens of each turn
   with the trained (completion) tokens highlighted.
@@ -33,10 +34,11 @@ from markupsafe import Markup
 from tracegym.eval.evaluate import EVAL_FILE, load_eval
 from tracegym.files import atomic_write_text
 from tracegym.eval.metrics import assistant_turns
-from tracegym.types import Message, Trajectory, read_json_rows
+from tracegym.render.call_errors import CALL_FAILURE_DESCRIPTIONS, failures_in_metrics
+from tracegym.types import CALL_FAILURE_REASONS, Message, Trajectory, read_json_rows
 
-__all__ = ["EVAL_COLUMNS", "HEALTH_PANELS", "INJECTION_COLUMNS", "REPORT_FILE", "build_report", "eval_row", "decoder_from_tokenizer",
-           "find_run_files", "has_injection", "health_thresholds", "render_report"]
+__all__ = ["EVAL_COLUMNS", "HEALTH_PANELS", "INJECTION_COLUMNS", "REPORT_FILE", "build_report", "call_failure_rows", "eval_row",
+           "decoder_from_tokenizer", "find_run_files", "has_injection", "health_thresholds", "render_report"]
 
 REPORT_FILE = "report.html"
 CONFIG_FILE = "config.yaml"
@@ -354,6 +356,22 @@ def eval_row(summary: Mapping[str, Any], label: str, turn: int | None = None, k:
     }
 
 
+def call_failure_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The "why tool calls failed" table of an evaluation: one row per reason (count, rate per call
+    attempt, meaning), then the total; [] when its eval.json has no ``call_failures`` (written before
+    they existed) or no call was attempted."""
+    failures = summary.get("call_failures") or {}
+    by_reason = failures.get("by_reason") or {}
+    if not failures.get("attempted_calls"):
+        return []
+    rows = [{"reason": reason, "count": str(by_reason.get(reason, {}).get("count", 0)),
+             "rate": _pct(by_reason.get(reason, {}).get("rate", 0.0)), "meaning": CALL_FAILURE_DESCRIPTIONS[reason]}
+            for reason in CALL_FAILURE_REASONS]
+    rows.append({"reason": "all", "count": str(failures.get("failed_calls", 0)), "rate": _pct(failures.get("failure_rate")),
+                 "meaning": f"of {failures['attempted_calls']} call attempts"})
+    return rows
+
+
 def _eval_section(files: RunFiles, root: Path) -> tuple[list[dict[str, Any]], str | None]:
     from tracegym.eval.plots import compare_figure, pass_at_k_figure, pass_at_kt_heatmap
 
@@ -376,6 +394,7 @@ def _eval_section(files: RunFiles, root: Path) -> tuple[list[dict[str, Any]], st
         entry["errors"] = (summary.get("errors") or {}).get("top", [])
         entry["skipped_ks"] = summary.get("skipped_ks", [])
         entry["attacks"] = sorted((summary.get("asr_by_attack") or {}).items())
+        entry["call_failures"] = call_failure_rows(summary)
         entry["summary"] = summary
         evals.append(entry)
     good = [e for e in evals if not e.get("error")]
@@ -485,6 +504,7 @@ def _trajectory_view(traj: Trajectory, decode: Decode | None) -> dict[str, Any]:
         "tokens": traj.num_generated_tokens,
         "messages": [_message_view(m) for m in traj.messages],
         "parse_errors": [(i + 1, e) for i, t in enumerate(traj.turns) for e in t.parse_errors],
+        "call_failures": [(reason, n) for reason, n in (failures_in_metrics(traj.metrics) or {}).items() if n],
         "reference_calls": json.dumps(traj.info["reference_calls"], ensure_ascii=False)
         if "reference_calls" in traj.info else None,
         "tokens_html": None,

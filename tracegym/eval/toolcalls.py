@@ -23,6 +23,12 @@ identical reference calls, never one reference call twice.
 The invalid-call rate needs no reference and is computed from every trajectory: a call attempt is
 invalid when the renderer could not parse it (``Turn.parse_errors``), when it names a tool that is
 not in ``trajectory.tools``, or when the tool answered with a message starting with ``Error:``.
+
+Call failures by reason (``call_failure_stats``): the failed call attempts of every trajectory split
+into ``bad_json``, ``unknown_tool``, ``bad_args``, ``truncated`` and ``other``
+(``tracegym.render.call_errors``), each as a count and a rate per call attempt. The counts are the
+episode loop's ``Trajectory.metrics["parse_errors/<reason>"]``; a trajectory written before those
+existed is classified here from its turns, the same way.
 """
 
 from __future__ import annotations
@@ -30,15 +36,18 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from tracegym.types import Message, ToolCall, Trajectory
+from tracegym.render.call_errors import failures_in_metrics, schema_failure, turn_failures
+from tracegym.types import CALL_FAILURE_REASONS, Message, ToolCall, Trajectory
 
 __all__ = [
+    "CallFailureStats",
     "CallKey",
     "InvalidCallStats",
     "ReferenceMatchStats",
+    "call_failure_stats",
     "call_key",
     "invalid_call_stats",
     "normalize_arguments",
@@ -124,6 +133,7 @@ class _AssistantTurn:
     message: Message
     parse_errors: tuple[str, ...]
     results: tuple[Message, ...]  # the env messages that followed this assistant message
+    cut: bool | None = None  # sampling stopped without a stop token (None: not recorded)
 
 
 def _assistant_turns(trajectory: Trajectory) -> list[_AssistantTurn]:
@@ -134,7 +144,8 @@ def _assistant_turns(trajectory: Trajectory) -> list[_AssistantTurn]:
     assistant message.
     """
     if trajectory.turns:
-        return [_AssistantTurn(t.message, tuple(t.parse_errors), tuple(t.env_messages)) for t in trajectory.turns]
+        return [_AssistantTurn(t.message, tuple(t.parse_errors), tuple(t.env_messages), t.finish_reason != "stop")
+                for t in trajectory.turns]
     out: list[_AssistantTurn] = []
     messages = list(trajectory.messages)
     for i, m in enumerate(messages):
@@ -332,4 +343,61 @@ def invalid_call_stats(trajectories: Iterable[Trajectory]) -> InvalidCallStats:
                     stats.unknown_tool_calls += 1
                 elif result is not None and _is_error_result(result):
                     stats.error_results += 1
+    return stats
+
+
+@dataclass
+class CallFailureStats:
+    """Failed call attempts by reason, summed over episodes; rates are per call attempt."""
+
+    attempted_calls: int = 0  # parsed calls + malformed calls
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def failed_calls(self) -> int:
+        return sum(self.counts[reason] for reason in CALL_FAILURE_REASONS)
+
+    def rate(self, count: int) -> float:
+        return count / self.attempted_calls if self.attempted_calls else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attempted_calls": self.attempted_calls,
+            "failed_calls": self.failed_calls,
+            "failure_rate": self.rate(self.failed_calls),
+            "by_reason": {r: {"count": self.counts[r], "rate": self.rate(self.counts[r])} for r in CALL_FAILURE_REASONS},
+        }
+
+
+def _episode_failures(trajectory: Trajectory, turns: Sequence[_AssistantTurn]) -> dict[str, int]:
+    """``{reason: count}`` of one episode: the episode loop's metrics, else classified from its turns."""
+    recorded = failures_in_metrics(trajectory.metrics)
+    if recorded is not None:
+        return recorded
+    found: Counter[str] = Counter()
+    for turn in turns:
+        found.update(turn_failures(turn.message, turn.parse_errors, trajectory.tools, turn.cut))
+    return dict(found)
+
+
+def _attempts(trajectory: Trajectory, turns: Sequence[_AssistantTurn], failures: dict[str, int]) -> int:
+    """Call attempts of one episode: parsed calls + malformed ones. An episode without token turns
+    (message-level) keeps its parse errors only in its metrics: they are what the metrics count
+    beyond the parsed calls the schemas reject."""
+    parsed = sum(len(t.message.tool_calls) for t in turns)
+    malformed = sum(len(t.parse_errors) for t in turns)
+    if not trajectory.turns:
+        rejected = sum(schema_failure(c, trajectory.tools) is not None for t in turns for c in t.message.tool_calls)
+        malformed = max(malformed, sum(failures.values()) - rejected)
+    return parsed + malformed
+
+
+def call_failure_stats(trajectories: Iterable[Trajectory]) -> CallFailureStats:
+    """Why tool calls failed: counts per reason over every trajectory, and the call attempts."""
+    stats = CallFailureStats()
+    for traj in trajectories:
+        turns = _assistant_turns(traj)
+        failures = _episode_failures(traj, turns)
+        stats.attempted_calls += _attempts(traj, turns, failures)
+        stats.counts.update(failures)
     return stats

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from tracegym.render.call_errors import settle_errors
 from tracegym.render.toolcalls import to_openai_messages
 from tracegym.render.trajectory_examples import BuildStats, build_examples
 from tracegym.types import Message, ParsedCompletion, Trajectory, TrainingExample
@@ -300,10 +301,19 @@ class Renderer(ABC):
 
     # -- parsing -------------------------------------------------------------------------------
     def parse_completion(self, completion_ids: Sequence[int]) -> ParsedCompletion:
-        """Sampled completion -> assistant message; malformed tool calls become ``errors``."""
+        """Sampled completion -> assistant message; malformed tool calls become ``errors``, each a
+        ``CallError`` with its reason (``tracegym.render.call_errors``)."""
         decoded = self.decode_until_stop(completion_ids)
-        message, call_errors = self._parse_assistant_text(decoded.text)
-        return ParsedCompletion(message=message, errors=decoded.errors + call_errors, ended_with_eot=decoded.ended)
+        return self._parsed(decoded, decoded.text)
+
+    def _parsed(self, decoded: DecodedCompletion, text: str) -> ParsedCompletion:
+        """``text`` (the decoded completion, or the part of it that holds the calls) parsed, with the
+        decoding's errors first. Every error becomes a ``CallError``: a plugin's plain text gets the
+        reason it names, and a call still open at the end is ``truncated`` only when the completion
+        was cut (no stop token), ``bad_json`` when the model ended its turn inside it."""
+        message, call_errors = self._parse_assistant_text(text)
+        errors = settle_errors(decoded.errors + tuple(call_errors), cut=not decoded.ended)
+        return ParsedCompletion(message=message, errors=errors, ended_with_eot=decoded.ended)
 
     def decode_until_stop(self, completion_ids: Sequence[int]) -> DecodedCompletion:
         """The text of ``completion_ids`` up to the first stop token, never raising: ids that are

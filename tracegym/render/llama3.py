@@ -32,7 +32,7 @@ from typing import Any
 
 from tracegym.render.base import Renderer, Segment, UntrustedToolOutput, special, split_system_message, text
 from tracegym.render.toolcalls import call_error, check_call_object, snippet, tools_json_lines
-from tracegym.types import Message, ToolCall
+from tracegym.types import CallError, Message, ToolCall
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 END_OF_TEXT = "<|end_of_text|>"
@@ -78,16 +78,36 @@ def serialize_assistant(message: Message) -> str:
     return "\n".join(parts).strip()
 
 
-def parse_assistant_text(value: str) -> tuple[Message, tuple[str, ...]]:
+def open_at_end(value: str, start: int) -> bool:
+    """Whether the JSON value that starts at ``start`` is still open where ``value`` ends (a string,
+    object or array never closed): the call was cut off rather than written wrong."""
+    depth, in_string, escaped = 0, False, False
+    for char in value[start:]:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False
+    return in_string or depth > 0
+
+
+def parse_assistant_text(value: str) -> tuple[Message, tuple[CallError, ...]]:
     """Assistant text -> (message, errors). The content is the text before the first call line; from
     there on the text must be JSON call objects (whitespace or ``;`` between them). Bad JSON or a
-    wrong shape is an error text, never an exception; what follows a bad call is not read."""
+    wrong shape is an error text, never an exception; what follows a bad call is not read. A call
+    whose JSON is still open where the text ends is ``truncated`` (``call_errors.py``), text after
+    the calls ``other``."""
     match = _CALL_LINE.search(value)
     if match is None:
         return Message(role="assistant", content=value.strip()), ()
     content = value[: match.start()].strip()
     calls: list[ToolCall] = []
-    errors: list[str] = []
+    errors: list[CallError] = []
     decoder = json.JSONDecoder()
     pos, index = match.start(), 0
     while True:
@@ -96,13 +116,17 @@ def parse_assistant_text(value: str) -> tuple[Message, tuple[str, ...]]:
         if pos >= len(value):
             break
         if value[pos] != "{":
-            errors.append(f"Found text after the tool calls: {snippet(value[pos:])!r}. {EXPECTED_FORMAT}")
+            errors.append(CallError(f"Found text after the tool calls: {snippet(value[pos:])!r}. {EXPECTED_FORMAT}", "other"))
             break
         try:
             obj, end = decoder.raw_decode(value, pos)
         except (ValueError, RecursionError) as exc:
             msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or type(exc).__name__
-            errors.append(call_error(index, f"invalid JSON ({msg}) in {snippet(value[pos:])!r}", EXPECTED_FORMAT))
+            if open_at_end(value, pos):  # cut by the token limit, or the model ended its turn inside it
+                problem, reason = f"the JSON of the call is never closed ({msg}) in {snippet(value[pos:])!r}", "truncated"
+            else:
+                problem, reason = f"invalid JSON ({msg}) in {snippet(value[pos:])!r}", "bad_json"
+            errors.append(call_error(index, problem, EXPECTED_FORMAT, reason))
             break
         call, error = check_call_object(
             obj,

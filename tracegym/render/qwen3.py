@@ -227,19 +227,15 @@ class Qwen3Renderer(ChatMLRenderer):
         return self.encode_text(body) + [self.im_end_id]
 
     def parse_completion(self, completion_ids: Sequence[int]) -> ParsedCompletion:
-        parsed = super().parse_completion(completion_ids)  # stops, bad ids, decoding, calls
-        parts = split_reasoning(self.decode_until_stop(completion_ids).text)
+        decoded = self.decode_until_stop(completion_ids)  # stops, bad ids, decoding
+        parts = split_reasoning(decoded.text)
         if parts is None:
-            return parsed
+            return self._parsed(decoded, decoded.text)
         reasoning, answer = parts
         # Calls are read from the answer only: a <tool_call> written while thinking is not a call.
-        message, call_errors = self._parse_assistant_text(answer)
-        token_errors = tuple(e for e in parsed.errors if not e.startswith(("Tool call", "Found </tool_call>")))
-        return ParsedCompletion(
-            message=message.model_copy(update={"content": with_reasoning(reasoning, message.content)}),
-            errors=token_errors + call_errors,
-            ended_with_eot=parsed.ended_with_eot,
-        )
+        parsed = self._parsed(decoded, answer)
+        content = with_reasoning(reasoning, parsed.message.content)
+        return parsed.model_copy(update={"message": parsed.message.model_copy(update={"content": content})})
 
     # -- history ---------------------------------------------------------------------------------
     def _assistant_spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:

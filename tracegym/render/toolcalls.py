@@ -7,7 +7,10 @@
 ``serialize_assistant`` writes an assistant message as the text a model must produce;
 ``parse_assistant_text`` reads such text back. Parsing never raises: every malformed block becomes
 an error text that names the problem and shows the expected format, because an environment shows
-that text to the model so it can correct itself.
+that text to the model so it can correct itself. Each error is a ``CallError`` that carries why the
+call failed (``call_errors.py``): an unclosed block is ``truncated`` (``bad_json`` once the renderer
+sees the completion ended with its stop token), bad JSON or a call object without a name
+``bad_json``, arguments that are not an object ``bad_args``, a stray closing tag ``other``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tracegym.types import Message, ToolCall
+from tracegym.render.call_errors import reason_from_text
+from tracegym.types import CallError, CallFailureReason, Message, ToolCall
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -62,9 +66,12 @@ def snippet(value: str) -> str:
     return value
 
 
-def call_error(index: int, problem: str, expected_format: str = EXPECTED_FORMAT) -> str:
-    """The error text of the ``index``-th call (from 0): the problem, then the expected format."""
-    return f"Tool call {index + 1}: {problem}. {expected_format}"
+def call_error(
+    index: int, problem: str, expected_format: str = EXPECTED_FORMAT, reason: CallFailureReason | None = None,
+) -> CallError:
+    """The error text of the ``index``-th call (from 0): the problem, then the expected format, as a
+    ``CallError`` whose reason is ``reason`` (default: the one ``problem`` names, ``reason_from_text``)."""
+    return CallError(f"Tool call {index + 1}: {problem}. {expected_format}", reason or reason_from_text(problem))
 
 
 def check_call_object(
@@ -74,7 +81,7 @@ def check_call_object(
     call_id: str,
     argument_keys: Sequence[str] = ("arguments",),
     expected_format: str = EXPECTED_FORMAT,
-) -> tuple[ToolCall | None, str | None]:
+) -> tuple[ToolCall | None, CallError | None]:
     """A decoded call -> (``ToolCall`` with ``raw`` and ``call_id``, None), or (None, error text).
 
     The call must be an object with a non-empty string "name"; its arguments are read from the
@@ -82,11 +89,11 @@ def check_call_object(
     holds a JSON object. ``index`` numbers the call in error texts."""
     if not isinstance(obj, dict):
         problem = f"expected a JSON object, got {type(obj).__name__} {snippet(raw)!r}"
-        return None, call_error(index, problem, expected_format)
+        return None, call_error(index, problem, expected_format, "bad_json")
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         problem = 'missing "name"' if "name" not in obj else f'"name" must be a non-empty string, got {name!r}'
-        return None, call_error(index, problem, expected_format)
+        return None, call_error(index, problem, expected_format, "bad_json")
     label = argument_keys[0]
     arguments = next((obj[key] for key in argument_keys if key in obj), {})
     if isinstance(arguments, str):
@@ -98,28 +105,28 @@ def check_call_object(
             decoded = None
         if not isinstance(decoded, dict):
             problem = f'"{label}" of {name!r} is a string that is not a JSON object'
-            return None, call_error(index, problem, expected_format)
+            return None, call_error(index, problem, expected_format, "bad_args")
         arguments = decoded
     if not isinstance(arguments, dict):
         problem = f'"{label}" of {name!r} must be a JSON object, got {type(arguments).__name__}'
-        return None, call_error(index, problem, expected_format)
+        return None, call_error(index, problem, expected_format, "bad_args")
     return ToolCall(name=name, arguments=arguments, raw=raw, id=call_id), None
 
 
-def _parse_block(body: str, index: int, call_id: str) -> tuple[ToolCall | None, str | None]:
+def _parse_block(body: str, index: int, call_id: str) -> tuple[ToolCall | None, CallError | None]:
     """JSON text of one block -> (ToolCall, None) or (None, error text)."""
     stripped = body.strip()
     if not stripped:
-        return None, call_error(index, "the block is empty")
+        return None, call_error(index, "the block is empty", reason="bad_json")
     try:
         obj = json.loads(stripped)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so are huge ints
         msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or type(exc).__name__
-        return None, call_error(index, f"invalid JSON ({msg}) in {snippet(stripped)!r}")
+        return None, call_error(index, f"invalid JSON ({msg}) in {snippet(stripped)!r}", reason="bad_json")
     return check_call_object(obj, stripped, index, call_id)
 
 
-def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
+def parse_assistant_text(text: str) -> tuple[Message, tuple[CallError, ...]]:
     """Assistant text -> (assistant message, errors).
 
     Content is the text outside the tool-call blocks: each outside piece stripped, the non-empty
@@ -129,7 +136,7 @@ def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
     """
     outside: list[str] = []
     calls: list[ToolCall] = []
-    errors: list[str] = []
+    errors: list[CallError] = []
     pos = 0
     block_index = 0
     while True:
@@ -140,10 +147,9 @@ def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
         outside.append(text[pos:start])
         body_start = start + len(TOOL_CALL_OPEN)
         end = text.find(TOOL_CALL_CLOSE, body_start)
-        if end < 0:
-            errors.append(
-                call_error(block_index, f"<tool_call> is never closed by </tool_call>: {snippet(text[body_start:])!r}")
-            )
+        if end < 0:  # open where the text ends: cut by the token limit, or the model ended its turn in it
+            problem = f"<tool_call> is never closed by </tool_call>: {snippet(text[body_start:])!r}"
+            errors.append(call_error(block_index, problem, reason="truncated"))
             break
         call, error = _parse_block(text[body_start:end], block_index, call_id=f"call_{len(calls)}")
         if error is not None:
@@ -156,7 +162,7 @@ def parse_assistant_text(text: str) -> tuple[Message, tuple[str, ...]]:
     pieces = [piece.strip() for piece in outside]
     content = "\n".join(piece for piece in pieces if piece)
     if TOOL_CALL_CLOSE in content:
-        errors.append(f"Found </tool_call> without a matching <tool_call>. {EXPECTED_FORMAT}")
+        errors.append(CallError(f"Found </tool_call> without a matching <tool_call>. {EXPECTED_FORMAT}", "other"))
     return Message(role="assistant", content=content, tool_calls=tuple(calls)), tuple(errors)
 
 
