@@ -2,12 +2,13 @@
 
 Cache tests that only exercise the cache machinery swap the ~25 s GGUF de-quantisation for a
 tiny-random model (``stub_gguf``). The two ``slow`` tests use the real GGUF and together
-de-quantise exactly twice: once to build a cache in a tmp folder (module fixture), once to
-rebuild a truncated copy of it.
+de-quantise exactly once: to build a cache in a tmp folder (module fixture); the rebuild of a
+truncated copy of it is handed a copy of that same de-quantised model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import threading
@@ -370,13 +371,16 @@ def test_models_command_lists_builds_and_verifies(stub_gguf, capsys):
 
 @pytest.fixture(scope="module")
 def real_cache(tmp_path_factory):
-    """Build the real cache in a tmp folder, recording the GGUF-loaded model's prompt logits."""
+    """Build the real cache in a tmp folder, recording the GGUF-loaded model's prompt logits, and a
+    copy of the de-quantised model and tokenizer as the GGUF gave them (before the cache saw them)."""
     root = tmp_path_factory.mktemp("real-cache")
     real_dequantize = models._dequantize_gguf
     gguf_logits: list[torch.Tensor] = []
+    dequantized: list[tuple] = []
 
     def recording_dequantize(path):
         model, tokenizer = real_dequantize(path)
+        dequantized.append((path, copy.deepcopy(model), copy.deepcopy(tokenizer)))
         gguf_logits.append(_prompt_logits(model, tokenizer))
         return model, tokenizer
 
@@ -386,7 +390,7 @@ def real_cache(tmp_path_factory):
         model, tokenizer = models.load("smollm2-135m")
         first_load_logits = _prompt_logits(model, tokenizer)
     assert len(gguf_logits) == 1
-    return root, gguf_logits[0], first_load_logits
+    return root, gguf_logits[0], first_load_logits, dequantized[0]
 
 
 def _refuse_dequantize(path):
@@ -395,7 +399,7 @@ def _refuse_dequantize(path):
 
 @pytest.mark.slow
 def test_smollm2_cache_round_trip_matches_the_gguf(real_cache, monkeypatch):
-    root, gguf_logits, first_load_logits = real_cache
+    root, gguf_logits, first_load_logits, _ = real_cache
     monkeypatch.setenv("TRACEGYM_CACHE", str(root))
     monkeypatch.setattr(models, "_dequantize_gguf", _refuse_dequantize)
     assert models.cache_status().built and models.verify_cache() is None
@@ -412,7 +416,7 @@ def test_smollm2_cache_round_trip_matches_the_gguf(real_cache, monkeypatch):
 
 @pytest.mark.slow
 def test_truncated_smollm2_cache_is_rebuilt(real_cache, monkeypatch, tmp_path):
-    root, gguf_logits, _ = real_cache
+    root, gguf_logits, _, (gguf_path, dequantized_model, dequantized_tokenizer) = real_cache
     copy_root = tmp_path / "copy"
     shutil.copytree(root, copy_root)  # new files: models loaded from `root` keep their mmaps intact
     weights = copy_root / "models" / "smollm2-135m" / "model.safetensors"
@@ -420,15 +424,17 @@ def test_truncated_smollm2_cache_is_rebuilt(real_cache, monkeypatch, tmp_path):
         handle.truncate(weights.stat().st_size // 3)
     monkeypatch.setenv("TRACEGYM_CACHE", str(copy_root))
     assert "model.safetensors has" in models.cache_status().problem
-    real_dequantize = models._dequantize_gguf
     calls: list[Path] = []
 
     def counting_dequantize(path):
+        # The same GGUF gives the same model (the fixture's load checked it against the GGUF's
+        # logits): hand the rebuild a copy of that one instead of de-quantising it again (~25 s).
         calls.append(path)
-        return real_dequantize(path)
+        assert path == gguf_path
+        return copy.deepcopy(dequantized_model), copy.deepcopy(dequantized_tokenizer)
 
     monkeypatch.setattr(models, "_dequantize_gguf", counting_dequantize)
-    model, tokenizer = models.load("smollm2-135m")  # the second and last de-quantisation
+    model, tokenizer = models.load("smollm2-135m")  # rebuilt from the GGUF's model
     assert len(calls) == 1
     assert models.verify_cache() is None
     torch.testing.assert_close(_prompt_logits(model, tokenizer), gguf_logits, atol=1e-5, rtol=0)

@@ -22,6 +22,7 @@ import tarfile
 import tempfile
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -588,7 +589,10 @@ size = int(sys.argv[1]) * 2**20
 block = bytearray(size)
 block[::4096] = b"x" * (size // 4096)     # touch every page: resident, not just reserved
 print("holding", flush=True)
-time.sleep(float(sys.argv[2]))
+open(f"held.{os.getpid()}", "w").close()
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end and not os.path.exists("release"):   # the seconds, or until released
+    time.sleep(0.02)
 """
 
 
@@ -599,6 +603,30 @@ def _hold_command(count: int, mb: int, seconds: float, shm_mb: int) -> str:
     return f"head -c {shm_mb * 2**20} /dev/zero > /dev/shm/fill; {holders} wait; echo finished"
 
 
+def _hold_at_once_command(count: int, mb: int, shm_mb: int) -> str:
+    """``count`` holders of ``mb`` each started together after ``shm_mb`` written to /dev/shm, each
+    holding until released. Once every one has either touched all its pages or died, prints
+    ``at_once N settled M``: how many are alive and holding at that one moment (a killed holder,
+    reaped or a zombie, does not count), then releases them. On a loaded machine the holders may
+    run one after another, and the OOM killer may take one that already held to make room for
+    the next, so how many ever printed "holding" says nothing about how many held together."""
+    return textwrap.dedent(f"""\
+        head -c {shm_mb * 2**20} /dev/zero > /dev/shm/fill
+        pids=""
+        for i in $(seq {count}); do python3 holder.py {mb} 60 & pids="$pids $!"; done
+        settled=0; at_once=0; tries=0
+        while [ $settled -lt {count} ] && [ $tries -lt 1000 ]; do
+          sleep 0.02; tries=$((tries + 1)); settled=0; at_once=0
+          for p in $pids; do
+            state=Z; {{ read -r _ _ state _ < /proc/$p/stat; }} 2>/dev/null
+            if [ "$state" = Z ]; then settled=$((settled + 1))
+            elif [ -e held.$p ]; then settled=$((settled + 1)); at_once=$((at_once + 1)); fi
+          done
+        done
+        echo "at_once $at_once settled $settled"
+        touch release; wait; echo finished""")
+
+
 @needs_bwrap
 @needs_cgroup("memory")
 def test_memory_is_limited_per_sandbox_not_per_process(base):
@@ -607,11 +635,14 @@ def test_memory_is_limited_per_sandbox_not_per_process(base):
     limits = SandboxLimits(**{**SMALL, "mem_mb": 160, "sandbox_mem_mb": 192, "shm_mb": 8, "fsize_mb": 16})
     with Sandbox(limits, base_dir=base, files={"holder.py": HOLDER}) as box:
         shell = box.shell()
-        result = shell.run(_hold_command(3, 100, 1.0, 8), wall_s=20)
+        result = shell.run(_hold_at_once_command(3, 100, 8), wall_s=40)
         peak = box._cgroup.memory_peak()
         assert shell.run("echo alive").stdout == "alive\n"  # the episode goes on
-    # (With a 400 MB limit all three hold and the peak is ~320 MB.)
-    assert result.memory_kills >= 1 and result.stdout.count("holding") < 3 and "Killed" in result.stdout, result
+    # (With a 400 MB limit all three hold at once and the peak is ~320 MB.)
+    counts = result.stdout.split("at_once ", 1)[-1].split()
+    assert result.ok and counts[1:3] == ["settled", "3"] and result.stdout.endswith("finished\n"), result
+    # Two holders alone are 200 MB + 8 MB of shm, past the sandbox's 192 MB: never more than one at once.
+    assert int(counts[0]) <= 1 and result.memory_kills >= 1 and "Killed" in result.stdout, result
     assert peak <= 192 * 2**20, peak >> 20
     assert "killed for the memory limit" in result.describe()
 
@@ -732,6 +763,41 @@ def test_the_shell_carries_no_end_marker_a_trap_could_read_or_output_could_fake(
     # What the trap saw is the host's wrapper, the same for every command: nothing secret to read.
     wrappers = {line for line in seen.splitlines() if "printf '%d" in line}
     assert len(wrappers) == 1 and "__tracegym_end_" not in seen.replace("__tracegym_end_x__", ""), seen
+
+
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=needs_bwrap), "unsafe_local"])
+def test_the_shell_keeps_its_status_pipe_whatever_number_a_busy_host_gives_it(base, monkeypatch, isolation):
+    # A host with many files open (a trainer, a long test run) hands the shell's status pipe a number
+    # at or past the sandbox's RLIMIT_NOFILE (32 here). The shell closes that fd around each command
+    # and must get it back after: bash cannot dup2 to a number past the limit, and then every
+    # command "failed" with "bash: line 1: N: Bad file descriptor" and took the session down.
+    passed: list[int] = []
+    real_popen = Sandbox._popen
+
+    def popen(self, argv, merge_stderr, extra_fds=()):
+        passed.extend(extra_fds)
+        return real_popen(self, argv, merge_stderr, extra_fds)
+
+    monkeypatch.setattr(Sandbox, "_popen", popen)
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    try:
+        while held[-1] < SMALL["nofile"] + 8:  # every number up to past the limit is taken
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # unsafe_local says what it is
+            box = Sandbox(SandboxLimits(**SMALL), base_dir=base, isolation=isolation)
+        with box:
+            shell = box.shell()
+            results = [shell.run(command) for command in ("echo one", "false", "cd /tmp && echo two", "pwd")]
+            fds = shell.run("ls /proc/self/fd | sort -n | tr '\\n' ' '").stdout.split()
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert passed and min(passed) >= SMALL["nofile"], passed  # the case: the pipe's number is past the limit
+    assert [(r.returncode, r.stdout, r.killed) for r in results] == [
+        (0, "one\n", None), (1, "", None), (0, "two\n", None), (0, "/tmp\n", None)], results
+    assert shell.restarts == 0
+    assert fds == ["0", "1", "2", "3"], fds  # still nothing of the host's in a command but its output
 
 
 # --- the cgroup layer on a pure v2 machine (a fake cgroupfs: this machine and CI are hybrid) -------------

@@ -1422,6 +1422,9 @@ def _warn_unsafe_once() -> None:
 
 # --- a persistent shell -----------------------------------------------------------------------------
 
+#: The status pipe's number inside a persistent shell (see :meth:`ShellSession._start`).
+_SHELL_STATUS_FD = 3
+
 
 class ShellSession:
     """A bash process kept alive inside the sandbox between commands: the current directory,
@@ -1457,11 +1460,22 @@ class ShellSession:
             raise
         finally:
             os.close(status_write)
-        self._status_fd = status_write  # pass_fds keeps the number in the child
         self._status_read = status_read
         os.set_blocking(status_read, False)
-        assert self._proc.stdout is not None
+        assert self._proc.stdout is not None and self._proc.stdin is not None
         os.set_blocking(self._proc.stdout.fileno(), False)
+        # pass_fds keeps the host's number for the pipe in the shell, and a busy host (many files
+        # open) hands out numbers at or past the sandbox's RLIMIT_NOFILE. bash can close such an fd
+        # around a command, but not put it back after (dup2 to a number past the limit is EBADF):
+        # the status would be lost and the session end. So the shell first moves it to a number
+        # below any workable limit, free in a new shell (it holds only 0-2 and this pipe).
+        self._status_fd = _SHELL_STATUS_FD
+        if status_write != _SHELL_STATUS_FD:
+            try:
+                self._proc.stdin.write(f"exec {_SHELL_STATUS_FD}>&{status_write} {status_write}>&-\n".encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # the shell is gone: run() reads its end
 
     @property
     def alive(self) -> bool:
