@@ -310,7 +310,23 @@ def test_mlflow_failing_mid_run_does_not_stop_the_run(tmp_path, mlflow_store, mo
 # --- W&B offline, read back from its run file -----------------------------------------------------------
 
 
-def _wandb_records(run_dir: Path) -> list[Any]:
+def _wandb_records(run_dir: Path, wait_s: float = 30.0) -> list[Any]:
+    """The run file's records once W&B's service process has written the exit record (it writes the
+    file on its own and may still be flushing when ``finish`` returns, on a loaded machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            records = _read_wandb_file(run_dir)
+        except Exception:  # a chunk still being written: read again
+            if time.monotonic() > deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def _read_wandb_file(run_dir: Path) -> list[Any]:
     """The records of the W&B offline run file: a 7-byte header (``:W&B``, magic, version), then
     32 KiB blocks of chunks, each a 7-byte header (checksum, length, type: 1 full, 2 first, 3 middle,
     4 last) and its bytes; a record is a protobuf ``wandb_internal_pb2.Record``."""
@@ -377,7 +393,8 @@ def test_wandb_offline_run_reads_back_and_holds_no_secret(tmp_path, monkeypatch)
         logger.close(_final_folder(tmp_path))
     run_id = (tmp_path / "wandb_run_id").read_text()
     view = _wandb_view(_wandb_records(tmp_path))
-    assert view["config"].get("optim") == {"lr": 1e-4}, f"config records read back: {view['config']}"
+    assert view["config"].get("optim") == {"lr": 1e-4}, (f"config records read back: {view['config']}; record kinds: "
+                                                         f"{[r.WhichOneof('record_type') for r in _wandb_records(tmp_path)]}")
     assert view["config"].get("engine_options") == {"api_key": "***"}
     assert [(step, json.loads(v["loss"]), json.loads(v["eval/pass@1"])) for step, v in view["history"]] == [
         (1, 1.0, 0.5), (2, 0.5, 0.5)]

@@ -78,8 +78,8 @@ def _as_number(value: Any) -> float | int | None:
     return None
 
 
-def tracker_openers(run_dir: Path, settings: LoggingConfig,
-                    resume_step: int | None) -> list[tuple[str, Callable[[], Tracker]]]:
+def tracker_openers(run_dir: Path, settings: LoggingConfig, resume_step: int | None,
+                    params: Mapping[str, Any] | None = None) -> list[tuple[str, Callable[[], Tracker]]]:
     """(name, opener) of each backend of ``settings.backends``, in order; a backend whose package is
     missing raises ``MissingTrackerPackage`` here, before anything is opened."""
     openers: list[tuple[str, Callable[[], Tracker]]] = []
@@ -93,7 +93,7 @@ def tracker_openers(run_dir: Path, settings: LoggingConfig,
             openers.append((name, partial(open_mlflow, run_dir, settings, resume_step, uri)))
         elif name == "wandb":
             require_packages(name, WANDB_REQUIREMENTS)
-            openers.append((name, partial(open_wandb, run_dir, settings, resume_step)))
+            openers.append((name, partial(open_wandb, run_dir, settings, resume_step, params)))
     return openers
 
 
@@ -118,7 +118,8 @@ class MetricsLogger(ClosesOnExit):
         if settings is None:
             settings = LoggingConfig(tensorboard=tensorboard, wandb=wandb, wandb_project=wandb_project)
         self.run_dir = Path(run_dir)
-        openers = tracker_openers(self.run_dir, settings, resume_step)  # fails before anything is opened or truncated
+        params = redact(dict(config or {}))
+        openers = tracker_openers(self.run_dir, settings, resume_step, params)  # fails before anything is opened or truncated
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None:
@@ -128,7 +129,6 @@ class MetricsLogger(ClosesOnExit):
         self._file = open(self.path, "a", encoding="utf-8")
         self.trackers = [GuardedTracker(name, opener, settings.timeout_s) for name, opener in openers]
         self.artifacts = settings.artifacts
-        params = redact(dict(config or {}))
         for tracker in self.trackers:
             tracker.log_params(params)
 

@@ -65,8 +65,10 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=0 if completed else 1)
 
 
-def open_wandb(run_dir: Path, settings: LoggingConfig, resume_step: int | None) -> WandbTracker:
-    """Start (or, resumed, continue) the W&B run of ``run_dir``."""
+def open_wandb(run_dir: Path, settings: LoggingConfig, resume_step: int | None,
+               params: Mapping[str, Any] | None = None) -> WandbTracker:
+    """Start (or, resumed, continue) the W&B run of ``run_dir``; ``params`` (the redacted config)
+    go into the run record itself, written with the run's start rather than in a later update."""
     import wandb
 
     mode = wandb_mode(settings.wandb.mode, os.environ)
@@ -78,7 +80,7 @@ def open_wandb(run_dir: Path, settings: LoggingConfig, resume_step: int | None) 
                            save_code=False, disable_git=True, silent=True,
                            init_timeout=settings.timeout_s, finish_timeout=settings.timeout_s)
     run = wandb.init(project=settings.wandb.project, entity=settings.wandb.entity, dir=str(run_dir), id=run_id,
-                     name=run_dir.name, mode=mode, resume="allow" if resumed_id and mode == "online" else None,
+                     name=run_dir.name, mode=mode, config=dict(params or {}), resume="allow" if resumed_id and mode == "online" else None,
                      settings=quiet)
     if mode == "offline":
         print(f"wandb: offline run {run_id}; upload it with: wandb sync {run.settings.sync_dir}")
