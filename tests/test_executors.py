@@ -7,7 +7,6 @@ The envs live in a plugin file written per test, so that Ray's worker processes 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import textwrap
@@ -90,13 +89,7 @@ def plugin(tmp_path) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def frozen_gc():
-    """The trainer's full collections (release_memory, ~0.2 s each over this process's imports)
-    walk only what the test makes (see tests/test_rl.py)."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("frozen_gc")  # tests/conftest.py: the per-step collections walk only what a test makes
 
 
 def _config(out: Path, plugin: str, *overrides: str) -> RLConfig:

@@ -9,7 +9,6 @@ about half the time), so groups are rarely uniform and advantages are non-zero; 
 
 from __future__ import annotations
 
-import gc
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,15 +74,7 @@ def letter_env():
     unregister("test-letter")
 
 
-@pytest.fixture(autouse=True)
-def frozen_gc():
-    """Every rollout and policy update ends in a full garbage collection (``release_memory``), which
-    walks every object of the process: in a pytest process with torch and transformers imported
-    that is ~0.2 s a call, two a step. What exists before the test is long-lived (modules, the
-    session's fixtures): frozen, the collections walk only what the test makes."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("frozen_gc")  # tests/conftest.py: the per-step collections walk only what a test makes
 
 
 def _config(out: Path, *overrides: str, env: str = "test-letter") -> RLConfig:

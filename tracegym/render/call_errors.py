@@ -141,7 +141,11 @@ def schema_failure(call: ToolCall, tools: Sequence[Mapping[str, Any]]) -> CallFa
     """``unknown_tool`` when ``call`` names no declared tool, ``bad_args`` when its arguments do not
     validate against that tool's ``parameters`` schema, else None. With no tools declared nothing is
     judged (None), as ``tracegym.eval.toolcalls`` does for unknown tools."""
-    declared = _declared_parameters(tools)
+    return _declared_failure(call, _declared_parameters(tools))
+
+
+def _declared_failure(call: ToolCall, declared: Mapping[str, Any]) -> CallFailureReason | None:
+    """``schema_failure`` against ``{tool name: parameters schema}`` (built once per turn)."""
     if not declared:
         return None
     if call.name not in declared:
@@ -163,8 +167,9 @@ def turn_failures(
     """The failed call attempts of one assistant turn by reason: each parse error (``error_reason``)
     and each parsed call the declared schemas reject (``schema_failure``)."""
     found: Counter[str] = Counter(error_reason(error, cut) for error in errors)
+    declared = _declared_parameters(tools) if message.tool_calls else {}
     for call in message.tool_calls:
-        reason = schema_failure(call, tools)
+        reason = _declared_failure(call, declared)
         if reason is not None:
             found[reason] += 1
     return found
