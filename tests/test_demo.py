@@ -63,7 +63,8 @@ def test_the_rl_stage_takes_the_demo_settings():
     assert every.guidance is not None and every.guidance.groups == "every"
     anchored = rl_stage_config(DemoConfig(rl_kl_coef=0.3, rl_expert_replay=0.5, rl_steps=10, rl_tasks_per_step=8), "a", "b")
     assert anchored.policy_loss["kl_coef"] == 0.3
-    assert anchored.expert_replay is not None and anchored.expert_replay.model_dump() == {"coef": 0.5, "tasks": 80, "per_step": 8}
+    assert anchored.expert_replay is not None and anchored.expert_replay.model_dump() == {"coef": 0.5, "tasks": 80, "per_step": 8,
+                                                                            "policy_gradient": True}
     assert holds.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
     assert holds.rollout.temperature == holds.eval.temperature == DemoConfig().temperature
     # the one-call main job keeps the settings its README block was measured with

@@ -174,3 +174,52 @@ def test_expert_replay_is_refused_for_teams():
     with pytest.raises(ValueError, match="expert_replay"):
         RLConfig.model_validate({"model": {"name": "tiny-random"}, "env": {"name": "calc_relay"}, "lora": {"enabled": True},
                                  "roles": {"a": {}, "b": {}}, "expert_replay": {}})
+
+
+def test_replay_only_steps_on_the_expert_nll_alone():
+    # expert_replay.policy_gradient=false (the control of the strong-start bench): the update equals a
+    # step on the replay NLL by itself, whatever the sampled batch's advantages; with the policy term
+    # on, the same call moves the weights elsewhere.
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.batch import make_batch
+    from tracegym.models import load
+    from tracegym.train.policy_update import policy_update, replay_nll_backward, score_batch
+    from tracegym.types import TrainingExample
+
+    def rows(start: int, advantage: float) -> Any:
+        ids = [list(range(start, start + 10)), list(range(start + 50, start + 57))]
+        masks = [[0] * 4 + [1] * 6, [0] * 3 + [1] * 4]
+        return make_batch([TrainingExample(input_ids=i, loss_mask=m, weights=[1.0] * len(i), advantages=[advantage] * len(i),
+                                           logprobs=[0.0] * len(i), source=f"e/t{n}/0") for n, (i, m) in enumerate(zip(ids, masks))],
+                          pad_token_id=0)
+
+    loss_cfg = PolicyLossConfig(loss="ppo_clip")
+    replay = rows(300, 0.0)
+
+    def step(policy_gradient: bool | None) -> dict[str, torch.Tensor]:
+        model = load("tiny-random")[0]
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        if policy_gradient is None:  # by hand: the replay term, then the same step
+            optimizer.zero_grad(set_to_none=True)
+            replay_nll_backward(model, replay, 1.0, micro_batch_size=1)
+            optimizer.step()
+        else:
+            batch = score_batch(model, None, rows(100, 2.0), loss_cfg, micro_batch_size=1, temperature=1.0, epochs=1)
+            metrics = policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=1, temperature=1.0,
+                                    max_grad_norm=None, replay=(replay, 1.0), policy_gradient=policy_gradient)
+            assert ("train/loss" in metrics) == policy_gradient and metrics["train/replay_nll"] > 0
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    by_hand, replay_only, both = step(None), step(False), step(True)
+    assert all(torch.equal(by_hand[k], replay_only[k]) for k in by_hand)
+    assert any(not torch.equal(by_hand[k], both[k]) for k in by_hand)
+
+
+def test_replay_only_is_the_demo_control_of_replay():
+    from tracegym.recipes.demo import DemoConfig, rl_stage_config
+
+    control = rl_stage_config(DemoConfig(rl_expert_replay=1.0, rl_replay_only=True), "a", "b")
+    assert control.expert_replay is not None and control.expert_replay.policy_gradient is False
+    with pytest.raises(ValueError, match="rl_replay_only: set rl_expert_replay"):
+        DemoConfig(rl_replay_only=True)

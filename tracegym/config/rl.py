@@ -211,6 +211,11 @@ class ExpertReplayConfig(_Section):
     """Expert traces per optimizer step, taken in order through the pool and around (step k uses
     traces ``k * per_step ...``: a resumed run replays what an uninterrupted one would)."""
 
+    policy_gradient: bool = True
+    """False: the ablation that trains on the replay term alone (continued SFT on the expert under the
+    RL stage's optimizer, schedule and steps; the step's groups are still sampled, scored and logged,
+    and their loss is not computed). It separates what replay's pull does from what RL adds to it."""
+
 
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""

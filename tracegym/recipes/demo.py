@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, SFTConfig, _Section
 
@@ -132,6 +132,10 @@ class DemoConfig(_Section):
     in rotation through the RL train tasks, which holds the decisions the step's samples do not
     reach (docs/algorithms.md, "Why RL lost the strong start"). 0: off."""
 
+    rl_replay_only: bool = False
+    """The control of ``rl_expert_replay``: the RL stage trains on the replay term alone
+    (``expert_replay.policy_gradient: false``), so a gain can be split between replay and RL."""
+
     micro_batch_size: int = Field(1, gt=0)
     """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
     cores, is also faster (rows of one pass are padded to the longest). Measured on the demo's data
@@ -152,6 +156,12 @@ class DemoConfig(_Section):
 
     progress: bool = True
     """Progress bars."""
+
+    @model_validator(mode="after")
+    def _replay_only_needs_replay(self) -> "DemoConfig":
+        if self.rl_replay_only and self.rl_expert_replay <= 0:
+            raise ValueError("rl_replay_only: set rl_expert_replay > 0 (the replay term is all it trains)")
+        return self
 
 
 def _stage(title: str, started: float) -> None:
@@ -275,7 +285,8 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
         guidance={"groups": cfg.rl_guidance_groups} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
         expert_replay={"coef": cfg.rl_expert_replay, "tasks": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8),
-                       "per_step": cfg.rl_tasks_per_step} if cfg.rl_expert_replay > 0 else None,
+                       "per_step": cfg.rl_tasks_per_step, "policy_gradient": not cfg.rl_replay_only}
+        if cfg.rl_expert_replay > 0 else None,
         eval={"every": 0, "at_start": False, "temperature": cfg.temperature}, seed=cfg.seed, output_dir=str(output_dir),
         checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": True, "progress": cfg.progress},
     )

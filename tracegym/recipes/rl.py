@@ -367,7 +367,8 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
     metrics = policy_update(run.model, batch, run.loss_cfg, run.optimizer, run.scheduler, epochs=cfg.ppo_epochs,
                             micro_batch_size=cfg.micro_batch_size, temperature=run.temperature,
                             max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                            train_mode=cfg.model.gradient_checkpointing, replay=replay)
+                            train_mode=cfg.model.gradient_checkpointing, replay=replay,
+                            policy_gradient=cfg.expert_replay is None or cfg.expert_replay.policy_gradient)
     # how far the update moved the policy; over max_policy_drift, a shorter step or none
     if before is not None:
         metrics.update(cap_drift(run.model, before, sample, max_kl=cfg.max_policy_drift,

@@ -150,11 +150,13 @@ def policy_update(
     train_mode: bool = False,
     micro_batch_tokens: int | None = None,
     replay: tuple[Batch, float] | None = None,
+    policy_gradient: bool = True,
 ) -> dict[str, float]:
     """``epochs`` optimizer passes over ``batch``; returns ``train/<metric>`` values (see module doc).
 
     ``replay``: ``(expert batch, coef)``; each pass adds ``coef`` x its mean NLL per assistant token to
-    the gradients before the step (``replay_nll_backward``; PPO-ptx's mix).
+    the gradients before the step (``replay_nll_backward``; PPO-ptx's mix). ``policy_gradient=False``
+    skips the policy loss (its forward too): the replay-only ablation of ``expert_replay``.
 
     ``micro_batch_tokens``: cut micro-batches by the tokens the forward computes (a prefix the rows
     share counted once, ``split_by_computed_tokens``) instead of ``micro_batch_size`` rows.
@@ -174,6 +176,8 @@ def policy_update(
             parts_of_batch = (split_by_computed_tokens(batch, micro_batch_tokens) if micro_batch_tokens
                               else split_microbatches(batch, micro_batch_size,
                                                       keep_trajectories=getattr(loss_cfg, "loss", "") == "gspo"))
+            if not policy_gradient:
+                parts_of_batch = []
             for part in parts_of_batch:
                 part = part.to(device)
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
@@ -182,7 +186,7 @@ def policy_update(
                 loss, metrics = compute_policy_loss(part, logprobs, entropy, loss_cfg)
                 loss.backward()
                 parts.append(metrics)
-            per_epoch.append(reduce_part_metrics(parts))
+            per_epoch.append(reduce_part_metrics(parts) if parts else {})
             if replay is not None:
                 per_epoch[-1].update(replay_nll_backward(model, replay[0], replay[1], micro_batch_size))
             grad_norms.append(clip_gradients(model.parameters(), max_grad_norm))
