@@ -38,7 +38,7 @@ from tracegym.render.call_errors import (
 )
 from tracegym.render.conformance import ADD_TOOL
 from tracegym.render.smollm2 import SmolLM2Renderer
-from tracegym.types import CALL_FAILURE_REASONS, CallError, Message, ParsedCompletion, ToolCall, Trajectory
+from tracegym.types import CALL_FAILURE_REASONS, CallError, Message, ParsedCompletion, ToolCall, Trajectory, TrajectoryGroup
 
 EXAMPLE_PLUGIN = str(Path(__file__).resolve().parent.parent / "examples" / "plugins" / "bracket_renderer.py")
 
@@ -350,3 +350,45 @@ def test_report_shows_the_failure_table(episode, tmp_path):
     # an eval.json from before (no call_failures), or one without any call: no table
     assert call_failure_rows({}) == [] and call_failure_rows({"call_failures": {"attempted_calls": 0}}) == []
     assert set(CALL_FAILURE_REASONS) == set(EXPECTED)
+
+
+# --- RL rows and team episodes ----------------------------------------------------------------------
+
+def test_rl_rows_carry_the_step_reasons(episode):
+    from tracegym.rl.collect import call_failure_metrics, rollout_metrics
+
+    expected = {"calls/attempted": 5.0, "calls/failure_rate": 0.8, **failure_metrics(EXPECTED)}
+    assert call_failure_metrics([episode]) == expected
+    assert call_failure_metrics([episode, episode])["calls/failure_rate"] == 0.8
+    group = TrajectoryGroup(env="adder", task_id="t0", trajectories=(episode,))
+    row = rollout_metrics([group], [])
+    assert {k: row[k] for k in expected} == expected
+    plain = Trajectory(env="adder", task_id="t", messages=(Message(role="assistant", content="<answer>3</answer>"),))
+    assert call_failure_metrics([plain]) == {}
+
+
+def test_team_episodes_count_each_role_s_failures():
+    from tracegym.envs import make
+    from tracegym.envs.episode import message_policy
+    from tracegym.envs.team import play_team_episode
+
+    def policies(env):
+        tried: set[str] = set()
+
+        async def solver(obs: Observation) -> Action:
+            if "solver" not in tried:  # the solver's first turn: a call to an undeclared tool and a broken one
+                tried.add("solver")
+                bad = Message(role="assistant", tool_calls=(ToolCall(name="multiply", arguments={"a": 1}, id="c0"),))
+                return Action(message=bad, parse_errors=(CallError("Tool call 2: invalid JSON", "bad_json"),))
+            return Action(message=env.expert_action("solver"))
+
+        return {"planner": message_policy(lambda: env.expert_action("planner")), "solver": solver}
+
+    env = make("calc_relay")
+    task = env.tasks("test", 1)[0]
+    trajectories = asyncio.run(play_team_episode(lambda: make("calc_relay"), task, policies))
+    by_role = {t.policy: t for t in trajectories}
+    assert by_role["solver"].end_reason == "terminated" and by_role["solver"].success  # the env answered and went on
+    solver = {k: v for k, v in by_role["solver"].metrics.items() if k.startswith(FAILURE_METRIC_PREFIX)}
+    assert solver == failure_metrics({"unknown_tool": 1, "bad_json": 1})
+    assert not any(k.startswith(FAILURE_METRIC_PREFIX) for k in by_role["planner"].metrics)  # no tools, no failure

@@ -17,7 +17,8 @@ Lifecycle::
 One episode gives one ``Trajectory`` per role that acted or was shown anything (token-exact
 ``turns`` of that role only), all with ``info["episode_id"]`` (the same for the whole team),
 ``info["role"]``, ``info["team_order"]`` (which role acted at each turn of the episode) and
-``policy`` = the role. The team's reward (the sum of ``TeamStep.reward``) is
+``policy`` = the role. Each role's ``metrics`` count its own failed tool-call attempts by reason
+(``parse_errors/<reason>``, as in the single-agent loop). The team's reward (the sum of ``TeamStep.reward``) is
 every role's ``Trajectory.reward`` unless the env gives ``role_rewards`` (then a role's reward is
 the team reward plus its own), credited on that role's last turn: every role sees the shared
 outcome, and group estimators (``magrpo``: a group baseline per role) compare it across samples. ``success`` comes from the last step's ``info["success"]``.
@@ -34,6 +35,7 @@ import math
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
@@ -51,6 +53,7 @@ from tracegym.envs.episode import (
     _numeric,
     _play_in_time,
 )
+from tracegym.render.call_errors import failure_metrics, turn_failures
 from tracegym.types import EndReason, Message, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -135,6 +138,7 @@ class _RoleProgress:
     new: list[Message] = field(default_factory=list)  # told since its last action
     actions: int = 0
     own_reward: float = 0.0
+    call_failures: Counter[str] = field(default_factory=Counter)  # reason -> this role's failed call attempts
 
 
 @dataclass
@@ -207,6 +211,8 @@ async def _play_team(env: TeamEnv, task: Task, policies: Mapping[str, Policy], m
         rp.actions += 1
         turn += 1
         st.order.append(role)
+        rp.call_failures.update(turn_failures(action.message, action.parse_errors, rp.tools,
+                                              None if tokens is None else tokens.finish_reason != "stop"))
         if tokens is not None:
             st.generated += len(tokens.completion_ids)
         try:
@@ -255,11 +261,14 @@ def _role_trajectory(st: _TeamProgress, role: str, task: Task, sample_index: int
     turns = list(rp.turns)
     if turns:
         turns[-1] = turns[-1].model_copy(update={"reward": reward})
+    metrics = _numeric(st.last_info)
+    if rp.tools or rp.call_failures:
+        metrics.update(failure_metrics(rp.call_failures))
     return Trajectory(
         env=st.env_name, task_id=task.id, split=task.split, sample_index=sample_index, tools=tuple(rp.tools),
         messages=tuple(rp.messages), turns=tuple(turns), reward=reward,
         success=False if failed else bool(st.last_info.get("success", False)),
-        metrics=_numeric(st.last_info), end_reason=st.end_reason or "engine_error", error=st.error,
+        metrics=metrics, end_reason=st.end_reason or "engine_error", error=st.error,
         policy=role, info={**info, "episode_id": episode_id, "role": role, "team_turns": len(st.order),
                            "role_turns": rp.actions, "team_order": list(st.order)},
     )

@@ -13,6 +13,8 @@ import numpy as np
 from tracegym.config import RLConfig
 from tracegym.envs.injection import env_source
 from tracegym.eval.metrics import injection_figures
+from tracegym.eval.toolcalls import call_failure_stats
+from tracegym.render.call_errors import failure_metrics
 from tracegym.rollout import RolloutConfig, RolloutResult, run_rollouts_sync
 from tracegym.rollout.strategies import RolloutJob, run_strategy_sync
 from tracegym.train.guidance import add_guidance, is_guidance, needs_guidance
@@ -20,7 +22,7 @@ from tracegym.types import Trajectory, TrajectoryGroup, group_trajectories
 
 log = logging.getLogger(__name__)
 
-__all__ = ["collect_groups", "drop_overlong", "evaluate_policy", "expert_episodes", "guide_groups", "injection_metrics",
+__all__ = ["call_failure_metrics", "collect_groups", "drop_overlong", "evaluate_policy", "expert_episodes", "guide_groups", "injection_metrics",
            "reward_part_metrics", "rollout_metrics", "starting_probe"]
 
 
@@ -70,6 +72,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         "rollout/tokens_per_s": mean([r.stats.tokens_per_s for r in results]),
         "rollout/generated_tokens": float(sum(r.stats.generated_tokens for r in results)),  # what the engine sampled
         **injection_metrics(episodes, "attack/"),
+        **call_failure_metrics(episodes),
     }
     for r in results:
         for reason, count in r.stats.end_reasons.items():
@@ -80,6 +83,17 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
             metrics["logprob_gap/mean"] = r.stats.logprob_gap.mean
             metrics["logprob_gap/max"] = max(metrics.get("logprob_gap/max", 0.0), r.stats.logprob_gap.max)
     return metrics
+
+
+def call_failure_metrics(episodes: Sequence[Trajectory]) -> dict[str, float]:
+    """Why this step's tool calls failed (the eval report's table, per RL step): ``calls/attempted``,
+    ``calls/failure_rate`` (per attempt) and ``parse_errors/<reason>`` counts; {} when no episode
+    declared tools or failed a call."""
+    stats = call_failure_stats(episodes)
+    if not stats.attempted_calls and not stats.failed_calls:
+        return {}
+    return {"calls/attempted": float(stats.attempted_calls), "calls/failure_rate": stats.rate(stats.failed_calls),
+            **failure_metrics(stats.counts)}
 
 
 def drop_overlong(
