@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=16, help="largest n a request may ask (default 16, at most the batch size)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="largest max_tokens a request may ask (default: the context window)")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="a gateway: sessions at /s/<session>/v1 are recorded token-exact and each finished "
+                             "session (POST /s/<session>/end) is appended to DIR/trajectories.jsonl")
     add_plugin_argument(parser)
 
 
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                          max_batch_size=args.max_batch_size)
     try:
         serve(args.model, args.host, args.port, renderer=args.renderer, dtype=args.dtype, api_key=api_key,
-              limits=limits, max_batch_size=args.max_batch_size)
+              limits=limits, max_batch_size=args.max_batch_size, record_dir=args.record)
     except ValueError as exc:  # unknown model or renderer, not a model folder: a usage error
         print(f"error: {exc}", file=sys.stderr)
         return 2

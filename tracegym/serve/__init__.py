@@ -45,11 +45,17 @@ Errors are OpenAI-shaped everywhere: ``{"error": {"message", "type", "param", "c
 context, 401 ``invalid_api_key``, 429 when the queue is full). ``ServerThread`` runs the server in
 a background thread (tests, notebooks).
 
+Gateway sessions (``sessions``, ``gateway``; ``tracegym serve MODEL --record DIR``): an agent whose
+``base_url`` is ``http://HOST:PORT/s/<session>/v1`` has every chat call recorded token-exact, a
+later call bridged onto the earlier calls' sampled tokens, and ``POST /s/<session>/end`` merges the
+session into one trajectory (token breaks counted, never re-tokenized); see docs/serve.md.
+
 Modules: ``app`` (``create_app``), ``routes`` (one function per endpoint), ``state`` (``ServeLimits``
 and the ``ServerState`` routes share), ``plan`` (request checks -> ``RequestPlan``), ``backends``
 (continuous batching or one call at a time), ``generation`` (token events -> choices),
 ``streaming`` (SSE), ``replies`` (reply bodies), ``tokens`` (detokenizing), ``errors``, ``auth``,
-``fields``, ``thread`` (``ServerThread``), ``launch`` (``build_app``, ``serve``).
+``fields``, ``thread`` (``ServerThread``), ``launch`` (``build_app``, ``serve``), ``sessions``
+(``SessionStore``), ``gateway`` (``Gateway``).
 """
 
 from __future__ import annotations
@@ -57,10 +63,12 @@ from __future__ import annotations
 from tracegym.serve.app import create_app
 from tracegym.serve.backends import Submit  # noqa: F401  (re-exported)
 from tracegym.serve.errors import APIError
+from tracegym.serve.gateway import Gateway
 from tracegym.serve.launch import API_KEY_ENV, build_app, serve
 from tracegym.serve.plan import MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS  # noqa: F401  (re-exported)
+from tracegym.serve.sessions import SessionStore
 from tracegym.serve.state import ServeLimits
 from tracegym.serve.thread import ServerThread
 from tracegym.serve.tokens import NEG_INF_LOGPROB, TOKEN_ID_PREFIX  # noqa: F401  (re-exported)
 
-__all__ = ["APIError", "ServeLimits", "ServerThread", "build_app", "create_app", "serve", "API_KEY_ENV"]
+__all__ = ["APIError", "Gateway", "ServeLimits", "SessionStore", "ServerThread", "build_app", "create_app", "serve", "API_KEY_ENV"]

@@ -34,7 +34,7 @@ def _server_state(engine: Any, renderer: Any, model_name: str, max_context: int 
 
 def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int | None = None,
                default_max_tokens: int | None = None, api_key: str | None = None,
-               limits: ServeLimits | None = None) -> FastAPI:
+               limits: ServeLimits | None = None, sessions: Any = None) -> FastAPI:
     """A FastAPI app serving ``engine`` with ``renderer`` under the model id ``model_name``.
 
     ``engine``: an ``HFEngine`` (served with continuous batching) or any token engine with
@@ -42,6 +42,8 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
     (default: the hf model's ``max_position_embeddings``). ``default_max_tokens``: used when a
     request names none (default: what is left of the context, capped by ``limits.max_tokens``).
     ``api_key``: when set, every ``/v1`` request must send ``Authorization: Bearer <api_key>``.
+    ``sessions``: a ``SessionStore`` makes the app a gateway (``tracegym.serve.sessions``): the
+    session routes record every call token-exact and merge each session into a trajectory.
 
     The app's ``state`` holds ``server`` (the ``ServerState`` routes read), ``backend`` (closed by
     ``ServerThread.stop``) and ``stepper`` (the continuous-batching scheduler, or None).
@@ -51,6 +53,7 @@ def create_app(engine: Any, renderer: Any, model_name: str, *, max_context: int 
     app.state.server = state
     app.state.backend = state.backend
     app.state.stepper = getattr(state.backend, "stepper", None)
+    app.state.sessions = sessions
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)
     add_error_handlers(app)

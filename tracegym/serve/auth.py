@@ -1,4 +1,4 @@
-"""The API key check on ``/v1`` requests."""
+"""The API key check on ``/v1`` requests and a gateway's session routes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import Any
 from tracegym.serve.errors import APIError
 
 
+PROTECTED = ("/v1", "/s/", "/sessions")  # everything but /health
+
+
 class APIKeyCheck:
-    """ASGI middleware: ``/v1`` requests need ``Authorization: Bearer <key>`` (compared in constant
+    """ASGI middleware: ``/v1``, ``/s/...`` and ``/sessions`` requests need ``Authorization: Bearer <key>`` (compared in constant
     time; the key is never logged or echoed)."""
 
     def __init__(self, app: Any, api_key: str):
@@ -17,7 +20,7 @@ class APIKeyCheck:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 message = ("Incorrect API key provided" if given else

@@ -11,6 +11,7 @@ from tracegym.engines.openai import message_from_wire
 from tracegym.render.toolcalls import TOOL_CALL_CLOSE
 from tracegym.serve.errors import APIError, bad_request, unsupported
 from tracegym.serve.fields import boolean_field, integer_field, is_number, number_field
+from tracegym.serve.sessions import Session
 from tracegym.serve.state import ServerState
 from tracegym.types import Message, SamplingParams
 
@@ -59,6 +60,11 @@ class RequestPlan:
     stop_ids: frozenset[int] = frozenset()  # the request's own stop ids (completions' stop_token_ids)
     echo: bool = False  # completions' echo: the reply starts with the prompt (and its log-probs)
     prompt_text: str = ""  # echo: the prompt as text (the request's own string, or its ids decoded)
+    # gateway sessions (``sessions.py``): the conversation asked, and how its prompt was built
+    messages: tuple[Message, ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()
+    bridged_from: int | None = None
+    why_not_bridged: str | None = None
 
 
 # --- shared by both endpoints ---------------------------------------------------------------------
@@ -241,8 +247,9 @@ def _logit_bias(state: ServerState, body: dict[str, Any]) -> dict[int, float]:
     return logit_bias
 
 
-def plan_chat(state: ServerState, body: dict[str, Any]) -> RequestPlan:
-    """A ``/v1/chat/completions`` request: the messages (and tools) rendered by the model's renderer.
+def plan_chat(state: ServerState, body: dict[str, Any], session: Session | None = None) -> RequestPlan:
+    """A ``/v1/chat/completions`` request: the messages (and tools) rendered by the model's renderer;
+    in a gateway ``session``, bridged onto an earlier call's sampled tokens where it continues one.
 
     Fields are checked in a fixed order, so a request with several bad fields always names the same one."""
     _check_chat_field_names(body)
@@ -254,7 +261,14 @@ def plan_chat(state: ServerState, body: dict[str, Any]) -> RequestPlan:
     logprobs, top_logprobs = _chat_logprobs(state, body)
     logit_bias = _logit_bias(state, body)
     tools_mode = tools is not None and tool_choice != "none"
-    prompt = state.renderer.render_prompt(messages, tools if tools_mode else None)
+    if session is not None:
+        if body.get("stream"):
+            raise unsupported("a gateway session records non-streamed calls only; send stream: false", "stream")
+        if body.get("n") not in (None, 1):
+            raise unsupported("a gateway session records one choice per call; send n: 1", "n")
+        prompt, bridged_from, why = session.plan_prompt(state.renderer, messages, tools if tools_mode else None)
+    else:
+        prompt, bridged_from, why = state.renderer.render_prompt(messages, tools if tools_mode else None), None, None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = completion_budget(state, body, key, prompt, "messages")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
@@ -264,7 +278,9 @@ def plan_chat(state: ServerState, body: dict[str, Any]) -> RequestPlan:
     return RequestPlan(prompt=prompt, params=params, tools_mode=tools_mode, stream=stream, include_usage=include_usage,
                        logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0, stop_after=stop_after,
                        logit_bias=logit_bias, token_id_text=boolean_field(body, "return_tokens_as_token_ids", False),
-                       return_token_ids=boolean_field(body, "return_token_ids", False))
+                       return_token_ids=boolean_field(body, "return_token_ids", False),
+                       messages=tuple(messages), tools=tuple(tools or ()) if tools_mode else (),
+                       bridged_from=bridged_from, why_not_bridged=why)
 
 
 # --- POST /v1/completions -------------------------------------------------------------------------
