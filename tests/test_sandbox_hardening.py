@@ -378,9 +378,20 @@ def _hostile_command(kind: str, tar_path: str) -> tuple[str, str | None]:
 
 @needs_bwrap
 @pytest.mark.parametrize("kind", ["deep", "wide", "links", "sparse_tar"])
-def test_terminal_check_survives_a_hostile_work_dir(kind):
+def test_terminal_check_survives_a_hostile_work_dir(kind, monkeypatch):
     import resource
+    import threading
 
+    # Which thread ran the check: asserted directly, not through event-loop latency, which a
+    # loaded 2-core CI machine stretches past any fixed bound (0.67 s seen on a 0.5 s bound).
+    check_threads: list[int] = []
+    real_verify = terminal._verify
+
+    def recording_verify(*args, **kwargs):
+        check_threads.append(threading.get_ident())
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(terminal, "_verify", recording_verify)
     env = TerminalEnv(families="archive", chores=1)
     task, tar_path = _archive_task(env)
     command, reason = _hostile_command(kind, tar_path)
@@ -389,29 +400,15 @@ def test_terminal_check_survives_a_hostile_work_dir(kind):
         await env.reset(task)
         built = await env.step(_call(command))
         assert "exit status 0" in built.messages[0].content, built.messages[0].content
-        gaps: list[float] = []
-        stop = asyncio.Event()
-
-        async def tick():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         started = time.monotonic()
         final = await env.step(_DONE)
         took = time.monotonic() - started
-        stop.set()
-        await ticker
         grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-        return final, took, max(gaps), grew_mb
+        return final, took, threading.get_ident(), grew_mb
 
     try:
-        final, took, worst_gap, grew_mb = asyncio.run(go())
+        final, took, loop_thread, grew_mb = asyncio.run(go())
     finally:
         env.close()
     assert final.terminated and final.reward == 0.0
@@ -419,7 +416,7 @@ def test_terminal_check_survives_a_hostile_work_dir(kind):
     if reason is not None:
         assert reason in failed, failed
     assert took < 5.0, took
-    assert worst_gap < 0.5, worst_gap  # the loop kept running: the check was on a thread
+    assert check_threads and loop_thread not in check_threads  # the check ran off the event loop
     assert grew_mb < 64, grew_mb
 
 
