@@ -102,8 +102,10 @@ def check_env_args(args: argparse.Namespace) -> None:
     strategy = getattr(args, "strategy", "chains")
     if strategy != "chains" or getattr(args, "strategy_option", None):
         from tracegym.rollout.strategies import strategy_problems
+        from tracegym.serve.harness import agent_problems  # registers the harness strategy
 
-        problems = strategy_problems(strategy, dict(args.strategy_option))
+        problems = strategy_problems(strategy, dict(args.strategy_option)) \
+            or agent_problems(strategy, dict(args.strategy_option))
         if problems:
             raise UsageError(problems[0].replace("rollout.strategy_options", "--strategy-option")
                              .replace("rollout.strategy", "--strategy"))

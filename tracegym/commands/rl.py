@@ -58,8 +58,10 @@ def check_config(cfg: object) -> None:
     problems.extend(check_env_config(cfg.env.name, cfg.env.options))  # type: ignore[attr-defined]
     problems.extend(estimator_problems(cfg.advantage.estimator, cfg.advantage.options))  # type: ignore[attr-defined]
     from tracegym.rollout.strategies import strategy_problems
+    from tracegym.serve.harness import agent_problems  # registers the harness strategy
 
-    problems.extend(strategy_problems(cfg.rollout.strategy, cfg.rollout.strategy_options))  # type: ignore[attr-defined]
+    problems.extend(strategy_problems(cfg.rollout.strategy, cfg.rollout.strategy_options)  # type: ignore[attr-defined]
+                    or agent_problems(cfg.rollout.strategy, cfg.rollout.strategy_options))  # type: ignore[attr-defined]
     from tracegym.rl.scoring import scoring_problems
 
     problems.extend(scoring_problems(cfg.advantage.intrinsic, cfg.advantage.intrinsic_options))  # type: ignore[attr-defined]

@@ -217,6 +217,75 @@ class ExpertReplayConfig(_Section):
     and their loss is not computed). It separates what replay's pull does from what RL adds to it."""
 
 
+DEFAULT_RUBRIC = (
+    "Score how well the agent accomplished the user's task. 1: the task is fully and correctly done, "
+    "with tool calls that make sense; 0.5: partly done, or done with clear mistakes along the way; "
+    "0: not done, wrong, or the agent gave up or made up results."
+)
+
+
+class JudgeConfig(_Section):
+    """``reward.judge``: the judge model and how its score joins the reward."""
+
+    base_url: str
+    """The judge's OpenAI-compatible root, ``/v1`` included (e.g. ``http://127.0.0.1:8001/v1``)."""
+
+    model: str
+    """The model name sent in each request."""
+
+    api_key_env: str | None = None
+    """Environment variable holding the judge's API key (None: no key; it never reaches a log)."""
+
+    mode: Literal["rubric", "ranking"] = "rubric"
+    """``rubric``: each episode alone; ``ranking``: a group's episodes together, scored relative to each other."""
+
+    rubric: str = DEFAULT_RUBRIC
+    """What a good episode is, in words the judge reads."""
+
+    weight: float = Field(1.0, ge=0.0)
+    """Weight of the judge's score in the reward."""
+
+    verifiable_weight: float = Field(1.0, ge=0.0)
+    """Weight of the env's (verifiable) reward; 0 trains on the judge alone."""
+
+    position_bias: bool = True
+    """``ranking``: judge each group a second time in a shuffled order (twice the cost): averages out,
+    and measures, the judge's preference for positions."""
+
+    temperature: float = Field(0.0, ge=0.0)
+    """The judge's sampling temperature (0: its most likely verdict, and a cache that holds)."""
+
+    max_tokens: int = Field(512, gt=0)
+    """The judge's reply budget (a reply cut off before its JSON is a parse failure)."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Per-request timeout."""
+
+    max_retries: int = Field(2, ge=0)
+    """Retries of a request that failed in transit or with 429/5xx (then it counts in ``judge/errors``)."""
+
+    concurrency: int = Field(8, gt=0)
+    """Judge requests in flight at once."""
+
+    max_transcript_chars: int = Field(6_000, gt=200)
+    """Characters of one episode's transcript the judge sees (the middle is cut, and says so)."""
+
+    cache: bool = True
+    """Reuse the reply to an identical request (in memory and in the run's ``judge_cache.jsonl``)."""
+
+    on_failure: Literal["drop_group", "stop"] = "drop_group"
+    """A group the judge could not score (an unparsed reply, a failed request): ``drop_group`` leaves
+    it out of the step (counted in ``judge/dropped_groups``), ``stop`` ends the run with the reason."""
+
+
+class RewardConfig(_Section):
+    """``reward``: rewards beyond the env's verifiable one."""
+
+    judge: JudgeConfig | None = None
+    """An LLM judge's score joins the env's reward by weight (``tracegym.rl.judge``; docs/algorithms.md,
+    "LLM-judge rewards"). None: the env's reward alone."""
+
+
 class RLConfig(_Section):
     """Reinforcement learning in an environment (``tracegym rl``): sample groups, score, update."""
 
@@ -339,6 +408,9 @@ class RLConfig(_Section):
     """Off-policy guidance (LUFFY) for groups whose samples all failed: the env's expert trajectory
     of the task joins the group before advantages, with LUFFY's shaped importance weight. None: off."""
 
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Rewards beyond the env's own: ``reward.judge`` (an LLM judge through an OpenAI-compatible endpoint)."""
+
     expert_replay: ExpertReplayConfig | None = None
     """An NLL term on the env's expert traces in every policy update (PPO-ptx's mix; ``{}`` for the
     defaults): keeps the decisions the step's samples do not reach. It joins the update of the step's
@@ -370,6 +442,8 @@ class RLConfig(_Section):
                 raise ValueError("roles: at least one role must train (train: true)")
         if self.max_policy_drift is not None and self.health.drift_rows == 0:
             raise ValueError("max_policy_drift measures the drift on health.drift_rows rows; set drift_rows > 0")
+        if self.reward.judge is not None and (self.roles or self.selfplay is not None):
+            raise ValueError("reward.judge: judged rewards are single-agent RL only; drop it for roles or selfplay")
         if self.expert_replay is not None and (self.roles or self.selfplay is not None):
             raise ValueError("expert_replay: the env's expert plays single-agent episodes; drop it for roles or selfplay")
         if self.guidance is not None and (self.roles or self.selfplay is not None or self.rollout.strategy != "chains"):

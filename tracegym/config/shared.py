@@ -361,8 +361,25 @@ class RLRolloutConfig(_Section, RolloutSettings):
     strategy_options: dict[str, Any] = Field(default_factory=dict)
     """Options of the strategy, validated by its options model (``tree`` reads ``tree`` when this is empty)."""
 
+    harness: str | None = None
+    """Your own agent plays the episodes (docs/harness.md): ``path/file.py:function`` or
+    ``module:function``, an ``async def run(task, client)``. Short for ``strategy: harness`` with
+    ``strategy_options.agent`` set to it."""
+
     tree: TreeConfig = Field(default_factory=TreeConfig)
     """Tree-search rollouts (``strategy: tree``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _harness_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("harness") is not None:
+            if data.get("strategy", "harness") not in ("harness", "chains"):
+                raise ValueError(f"rollout.harness: an agent plays through strategy harness, not {data['strategy']!r}")
+            options = dict(data.get("strategy_options") or {})
+            if options.get("agent", data["harness"]) != data["harness"]:
+                raise ValueError("rollout.harness and rollout.strategy_options.agent name different agents")
+            data = {**data, "strategy": "harness", "strategy_options": {**options, "agent": data["harness"]}}
+        return data
 
     untrusted_tool_output: UntrustedToolOutput = "none"
     """How tool results are shown to the model (docs/safety.md): ``none`` (the template's own way),

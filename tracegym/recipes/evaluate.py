@@ -74,6 +74,8 @@ def evaluate_to_dir(
             source, options = env_source(env, env_options, injection)
             job = RolloutJob(source, tasks, policy, renderer, config, env_options=options, writer=writer,
                              failed_writer=writer, policy_name=policy_name, gap_model=gap_model, progress=progress)
+            if strategy == "harness":
+                import tracegym.serve.harness  # noqa: F401  (registers the strategy: it lives beside the gateway it needs)
             result = run_strategy_sync(strategy, job, strategy_options)
     order = {task.id: i for i, task in enumerate(tasks)}
     episodes = sorted(result.trajectories + result.failed, key=lambda t: (order[t.task_id], t.sample_index))

@@ -69,6 +69,7 @@ from tracegym.rl.collect import starting_probe
 from tracegym.rl.executors.base import batch_seed
 from tracegym.rl.executors.factory import make_executor
 from tracegym.rl.policy import load_policy, make_renderer, make_sampler
+from tracegym.rl.judge import Judge, judge_groups
 from tracegym.rl.scoring import score_and_estimate
 from tracegym.train.checkpoint import load_latest_intact, save_checkpoint, save_final
 from tracegym.train.drift import build_probe, cap_drift, drift_rows, measure_drift, probe_nll, trainable_state
@@ -140,6 +141,7 @@ class RLRun:
     cursor: int = 0  # task slots consumed so far (more than steps x tasks_per_step with resampling)
     history: list[dict[str, Any]] = field(default_factory=list)
     replay_pool: list[list[Any]] = field(default_factory=list)  # expert_replay: each solved train task's examples
+    judge: Any = None  # reward.judge: the LLM judge (its cache lives in the run folder)
 
     @property
     def eval_seed(self) -> int:
@@ -160,6 +162,7 @@ class Collected:
     with_signal: int = 0
     dropped_too_long: int = 0
     guided_groups: int = 0
+    judge: Any = None  # reward.judge: the step's JudgeStats (all rounds)
     kl_penalty: float = 0.0
     stale: bool = False  # sampled by an older policy version (an asynchronous executor ran ahead)
 
@@ -179,6 +182,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
         which = "tracegym.recipes.selfplay.train_selfplay" if cfg.selfplay is not None else "tracegym.recipes.team.train_team"
         raise ValueError(f"this config trains {'self-play' if cfg.selfplay is not None else 'a team'}: run it with {which} "
                          "(the tracegym rl command picks it)")
+    if cfg.rollout.strategy == "harness":
+        import tracegym.serve.harness  # noqa: F401  (registers the strategy: it lives beside the gateway it needs)
     run = prepare_run(cfg, resume)
     final_dir = None
     try:
@@ -207,6 +212,8 @@ def train_rl(cfg: RLConfig, resume: bool = False, stop_at_step: int | None = Non
             "recipe": "rl", "env": cfg.env.name, "untrusted_tool_output": cfg.rollout.untrusted_tool_output})
     finally:
         run.executor.close()
+        if run.judge is not None:
+            run.judge.close()
         run.progress.close()
         run.logger.close(final_dir)
     return RLResult(run.run_dir, final_dir, run.step, run.history)
@@ -244,7 +251,8 @@ def prepare_run(cfg: RLConfig, resume: bool) -> RLRun:
                 probe=build_probe(starting_probe(cfg, train_tasks, renderer), pad_id), pad_id=pad_id,
                 temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
                 train_tasks=train_tasks, test_tasks=test_tasks,
-                replay_pool=expert_replay_pool(cfg, train_tasks, renderer))
+                replay_pool=expert_replay_pool(cfg, train_tasks, renderer),
+                judge=Judge(cfg.reward.judge, run_dir / "judge_cache.jsonl") if cfg.reward.judge is not None else None)
     # the newest intact checkpoint: a corrupt one is named in a warning and skipped, never silently ignored
     restored = load_latest_intact(run_dir, model, optimizer, scheduler) if resume else None
     if restored is not None:
@@ -301,6 +309,10 @@ def collect_step(run: RLRun) -> Collected:
             # groups whose samples all failed get the env's expert trajectory (LUFFY guidance)
             new, guided = guide_groups(new, tasks, cfg, run.renderer, seed + 7_919)
             out.guided_groups += guided
+            # reward.judge: an LLM judge's score joins each reward by weight; unjudgeable groups leave
+            if run.judge is not None:
+                new, tasks, judged = judge_groups(run.judge, new, tasks, seed + 15_485_863)
+                out.judge = judged if out.judge is None else out.judge.merge(judged)
             # optional scoring steps (branching, KL in the reward, InfoPO), then one advantage per turn
             new, estimated, out.kl_penalty = score_and_estimate(
                 new, tasks, cfg, run.loss_cfg, sampler=run.sampler, model=run.model, reference=run.reference,
@@ -330,6 +342,8 @@ def step_metrics(run: RLRun, collected: Collected, t_start: float) -> dict[str, 
                     "groups/resample_rounds": float(collected.rounds), **run.executor.metrics()})
     if run.loss_cfg.kl_coef > 0 and run.loss_cfg.kl_penalty == "reward":
         metrics["reward/kl_penalty"] = collected.kl_penalty
+    if collected.judge is not None:  # judge/*: cost, failures, position bias, mean score
+        metrics.update(collected.judge.metrics())
     if cfg.guidance is not None:
         metrics["guidance/groups"] = float(collected.guided_groups)
         metrics["guidance/unsolved"] = float(sum(1 for g in groups if not any(t.success for t in g.trajectories)))

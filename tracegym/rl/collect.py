@@ -212,8 +212,12 @@ def evaluate_policy(cfg: RLConfig, sampler: Any, renderer: Any, tasks: Sequence[
         samples_per_task=cfg.eval.samples_per_task, seed=seed,
     )
     env, env_options = env_source(cfg.env.name, cfg.env.options, cfg.env.injection)
-    result = run_rollouts_sync(env, tasks, sampler, renderer, rollout_cfg, progress=False,
-                               env_options=env_options, policy_name="policy")
+    if cfg.rollout.strategy == "harness":  # the agent is what is evaluated: its episodes, through its gateway
+        job = RolloutJob(env, tasks, sampler, renderer, rollout_cfg, env_options=env_options, policy_name="policy")
+        result = run_strategy_sync("harness", job, cfg.rollout.strategy_settings())
+    else:
+        result = run_rollouts_sync(env, tasks, sampler, renderer, rollout_cfg, progress=False,
+                                   env_options=env_options, policy_name="policy")
     summary = summarize(result.trajectories + result.failed, ks=[1], turns=[cfg.rollout.max_turns], env=cfg.env.name,
                         n_bootstrap=200)  # failed episodes count as unsolved
     return {"eval/pass@1": summary["pass_at"][str(cfg.rollout.max_turns)]["1"], "eval/success_rate": summary["success_rate"],

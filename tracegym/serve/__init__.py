@@ -66,9 +66,9 @@ from tracegym.serve.errors import APIError
 from tracegym.serve.gateway import Gateway
 from tracegym.serve.launch import API_KEY_ENV, build_app, serve
 from tracegym.serve.plan import MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS  # noqa: F401  (re-exported)
-from tracegym.serve.sessions import SessionStore
+from tracegym.serve.sessions import SessionSampling, SessionStore
 from tracegym.serve.state import ServeLimits
 from tracegym.serve.thread import ServerThread
 from tracegym.serve.tokens import NEG_INF_LOGPROB, TOKEN_ID_PREFIX  # noqa: F401  (re-exported)
 
-__all__ = ["APIError", "Gateway", "ServeLimits", "SessionStore", "ServerThread", "build_app", "create_app", "serve", "API_KEY_ENV"]
+__all__ = ["APIError", "Gateway", "ServeLimits", "SessionSampling", "SessionStore", "ServerThread", "build_app", "create_app", "serve", "API_KEY_ENV"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tracegym.serve.app import create_app
-from tracegym.serve.sessions import SessionStore
+from tracegym.serve.sessions import SessionSampling, SessionStore
 from tracegym.serve.state import ServeLimits
 from tracegym.serve.thread import ServerThread
 from tracegym.types import Trajectory
@@ -25,13 +25,15 @@ from tracegym.types import Trajectory
 
 class Gateway:
     """Serve ``engine`` with ``renderer`` on loopback with sessions (a random API key unless one is
-    given: the agent's client carries it, nothing else on the machine can use the policy)."""
+    given: the agent's client carries it, nothing else on the machine can use the policy).
+    ``sampling``: what every session call samples with, whatever the agent asks (``SessionSampling``)."""
 
     def __init__(self, engine: Any, renderer: Any, model_name: str = "policy", *, record_dir: str | Path | None = None,
-                 limits: ServeLimits | None = None, max_context: int | None = None, api_key: str | None = None):
+                 limits: ServeLimits | None = None, max_context: int | None = None, api_key: str | None = None,
+                 sampling: SessionSampling | None = None):
         self.model_name = model_name
         self.api_key = api_key or f"sk-tracegym-{secrets.token_hex(12)}"
-        self.sessions = SessionStore(record_dir, model=model_name)
+        self.sessions = SessionStore(record_dir, model=model_name, sampling=sampling)
         self.app = create_app(engine, renderer, model_name, max_context=max_context, api_key=self.api_key,
                               limits=limits, sessions=self.sessions)
         self._thread = ServerThread(self.app)
@@ -58,6 +60,10 @@ class Gateway:
                info: dict[str, Any] | None = None, task_id: str | None = None) -> Trajectory:
         """The session's calls merged into one trajectory (``SessionStore.finish``)."""
         return self.sessions.finish(session_id, reward=reward, success=success, info=info, task_id=task_id)
+
+    def discard(self, session_id: str) -> None:
+        """Forget a session without merging it (its agent failed)."""
+        self.sessions.discard(session_id)
 
 
 __all__ = ["Gateway"]

@@ -271,6 +271,11 @@ def plan_chat(state: ServerState, body: dict[str, Any], session: Session | None 
         prompt, bridged_from, why = state.renderer.render_prompt(messages, tools if tools_mode else None), None, None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = completion_budget(state, body, key, prompt, "messages")
+    imposed = session.sampling if session is not None else None
+    if imposed is not None:  # a harness run: the rollout's sampling, whatever the agent asked
+        temperature, top_p = imposed.temperature, imposed.top_p
+        max_tokens = min(max_tokens, imposed.max_tokens or max_tokens)
+        seed = imposed.call_seed(session.id, len(session.calls)) if imposed.seed is not None else seed  # type: ignore[union-attr]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
                             stop=stops, stop_token_ids=tuple(sorted(state.stop_ids)))
     # parallel_tool_calls false: the turn ends once the first call is closed

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,11 +64,30 @@ class RecordedCall:
     why_not_bridged: str | None  # None for bridged calls and a session's first call
 
 
+@dataclass(frozen=True)
+class SessionSampling:
+    """Sampling a gateway imposes on every session call, whatever the agent's request says: RL needs
+    its samples drawn at the rollout's temperature (the trainer's log-probs assume it), each call
+    bounded, and a run reproducible. ``max_tokens`` caps a call's budget (None: the request's);
+    ``seed``: call k of session s samples with a seed made from ``(seed, s, k)`` (None: the request's)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    def call_seed(self, session_id: str, call_index: int) -> int | None:
+        if self.seed is None:
+            return None
+        return zlib.crc32(f"{self.seed}/{session_id}/{call_index}".encode())
+
+
 @dataclass
 class Session:
     id: str
     created: float = field(default_factory=time.time)
     calls: list[RecordedCall] = field(default_factory=list)
+    sampling: SessionSampling | None = None  # the gateway's imposed sampling (None: the request's own)
 
     def plan_prompt(self, renderer: Any, messages: Sequence[Message],
                     tools: Sequence[dict[str, Any]] | None) -> tuple[list[int], int | None, str | None]:
@@ -129,9 +149,10 @@ class SessionStore:
     their own threads). ``record_dir``: where ``finish`` appends each merged trajectory
     (``trajectories.jsonl``, one line per session, written whole) when set."""
 
-    def __init__(self, record_dir: str | Path | None = None, model: str = ""):
+    def __init__(self, record_dir: str | Path | None = None, model: str = "", sampling: SessionSampling | None = None):
         self.record_dir = Path(record_dir) if record_dir is not None else None
         self.model = model
+        self.sampling = sampling
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.finished = 0
@@ -142,8 +163,13 @@ class SessionStore:
     def get(self, session_id: str) -> Session:
         with self._lock:
             if session_id not in self._sessions:
-                self._sessions[session_id] = Session(session_id)
+                self._sessions[session_id] = Session(session_id, sampling=self.sampling)
             return self._sessions[session_id]
+
+    def discard(self, session_id: str) -> Session | None:
+        """Forget a session without merging it (an agent that failed); its calls are returned."""
+        with self._lock:
+            return self._sessions.pop(session_id, None)
 
     def finish(self, session_id: str, *, reward: float = 0.0, success: bool | None = None,
                info: dict[str, Any] | None = None, task_id: str | None = None) -> Trajectory:
@@ -168,4 +194,4 @@ class SessionStore:
             return {"open": open_sessions, "finished": self.finished, "token_breaks": self.total_breaks}
 
 
-__all__ = ["RecordedCall", "SESSION_HEADER", "Session", "SessionStore"]
+__all__ = ["RecordedCall", "SESSION_HEADER", "Session", "SessionSampling", "SessionStore"]
