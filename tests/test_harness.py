@@ -208,9 +208,8 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_rl_and_eval_run_an_agent_from_the_command_line(tmp_path, agents):
-    """One RL step of a tiny model through an agent that returns its own reward (a reward with
-    variance, so groups carry signal), then ``tracegym eval`` of the SDK agent."""
+def _rl_config(tmp_path: Path, group_size: int, rollout: str) -> Path:
+    """A one-step RL config of a tiny model on 1-call calculator tasks, with ``rollout`` options."""
     config = tmp_path / "rl.yaml"
     config.write_text(f"""
 model: {{name: tiny-random}}
@@ -218,62 +217,50 @@ lora: {{r: 4}}
 env: {{name: calculator, options: {{num_calls: 1}}}}
 tasks: {{train: 4, test: 1}}
 tasks_per_step: 2
-group_size: 4
-rollout: {{max_tokens_per_turn: 6, concurrency: 8, strategy: harness, strategy_options: {{agent: "{agents}:own_reward"}}}}
+group_size: {group_size}
+rollout: {{max_tokens_per_turn: 6, {rollout}}}
 steps: 1
 eval: {{at_start: false, every: 0}}
 save_rollouts: false
 output_dir: {tmp_path / "run"}
 logging: {{progress: false, tensorboard: false}}
 """)
+    return config
+
+
+def _one_rl_step(tmp_path: Path, config: Path) -> dict:
+    """Run ``tracegym rl`` on ``config``; its step-1 row."""
     done = _cli(tmp_path, "rl", "--config", str(config))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if r.get("step") == 1 and "reward/mean" in r)
+    return next(r for r in rows if r.get("step") == 1 and "reward/mean" in r)
+
+
+def test_rl_trains_on_an_agent_s_episodes_from_the_command_line(tmp_path, agents):
+    """One RL step of a tiny model through an agent that returns its own reward (a reward with
+    variance, so groups carry signal: the gateway's trajectories become examples and train)."""
+    config = _rl_config(tmp_path, 4, f'concurrency: 8, strategy: harness, strategy_options: {{agent: "{agents}:own_reward"}}')
+    step = _one_rl_step(tmp_path, config)
     assert step["gateway/token_breaks"] == 0.0 and step["env/errors"] == 0.0
-    assert step["episode/turns"] == 1.0 and 0.0 <= step["reward/mean"] <= 1.0
+    assert step["episode/turns"] == 1.0 and 0.0 < step["reward/mean"] < 1.0 and step["examples/count"] > 0
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
     # a missing agent module: one line naming it, before any model is loaded
     bad = _cli(tmp_path, "rl", "--config", str(config), f"rollout.strategy_options.agent=missing_mod:run")
     assert bad.returncode == 2 and "rollout.strategy_options.agent" in bad.stderr and "missing_mod" in bad.stderr
-    # eval of the unmodified SDK agent
-    out = tmp_path / "eval"
-    done = _cli(tmp_path, "eval", "--model", "tiny-random", "--env", "calculator", "--env-option", "num_calls=1",
-                "--tasks", "2", "--samples", "2", "--k", "1,2", "--max-tokens-per-turn", "8", "--strategy", "harness",
-                "--strategy-option", f"agent={SDK_AGENT}", "--out", str(out), "--no-progress")
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((out / "eval.json").read_text())
-    assert summary["rollout"]["strategy"] == "harness" and summary["rollout"]["episodes"] == 4
-    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert len(episodes) == 4 and all(e["info"]["token_breaks"] == 0 for e in episodes if e["turns"])
 
 
-def test_an_agents_sdk_agent_trains_and_evaluates_from_the_command_line(tmp_path):
-    """The OpenAI Agents SDK agent, unmodified, through one ``tracegym rl`` step and ``tracegym eval``."""
-    config = tmp_path / "rl.yaml"
-    config.write_text(f"""
-model: {{name: tiny-random}}
-lora: {{r: 4}}
-env: {{name: calculator, options: {{num_calls: 1}}}}
-tasks: {{train: 4, test: 1}}
-tasks_per_step: 2
-group_size: 2
-rollout: {{max_tokens_per_turn: 6, strategy: harness, strategy_options: {{agent: "{AGENTS_SDK_AGENT}"}}}}
-steps: 1
-eval: {{at_start: false, every: 0}}
-save_rollouts: false
-output_dir: {tmp_path / "run"}
-logging: {{progress: false, tensorboard: false}}
-""")
-    done = _cli(tmp_path, "rl", "--config", str(config))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if r.get("step") == 1 and "reward/mean" in r)
+@pytest.mark.parametrize("agent", [SDK_AGENT, AGENTS_SDK_AGENT], ids=["openai_sdk", "agents_sdk"])
+def test_an_example_agent_trains_and_evaluates_from_the_command_line(tmp_path, agent):
+    """Each example agent, unmodified, through one ``tracegym rl`` step and ``tracegym eval``."""
+    step = _one_rl_step(tmp_path, _rl_config(tmp_path, 2, f'harness: "{agent}"'))
     assert step["env/errors"] == 0.0 and "gateway/token_breaks" in step
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
     out = tmp_path / "eval"
     done = _cli(tmp_path, "eval", "--model", "tiny-random", "--env", "calculator", "--env-option", "num_calls=1",
                 "--tasks", "2", "--samples", "1", "--k", "1", "--max-tokens-per-turn", "6", "--strategy", "harness",
-                "--strategy-option", f"agent={AGENTS_SDK_AGENT}", "--out", str(out), "--no-progress")
+                "--strategy-option", f"agent={agent}", "--out", str(out), "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((out / "eval.json").read_text())["rollout"]["episodes"] == 2
+    rollout = json.loads((out / "eval.json").read_text())["rollout"]
+    assert rollout["strategy"] == "harness" and rollout["episodes"] == 2
+    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 and all(e["info"]["token_breaks"] == 0 for e in episodes if e["turns"])

@@ -156,6 +156,8 @@ def test_a_garbage_reply_drops_its_group_and_is_counted():
     groups, tasks, stats = judge_groups(judge, _groups(), ["task0", "task1"], seed=0)
     assert [g.task_id for g in groups] == ["t0"] and tasks == ["task0"]
     assert (stats.parse_failures, stats.failed_groups, stats.errors) == (1, 1, 0)
+    judged, _ = judge.score_groups(_groups())  # the failed group's raw replies are kept, not just counted
+    assert judged[0].scores == [0.5] * 3 and judged[1].scores is None and judged[1].raw[1] == "I refuse."
     stopping, _ = _judge(lambda p: "I refuse.", on_failure="stop")
     with pytest.raises(JudgeError, match="group of task 't0'.*on_failure: stop"):
         judge_groups(stopping, _groups(), ["task0", "task1"], seed=0)

@@ -2,8 +2,8 @@
 with an LLM judge (the judge ``reward.judge`` uses in RL) and measure how it agrees with the
 episodes' verifiable rewards, before a run trains on it.
 
-Writes ``DIR/judged.jsonl`` (each episode with ``info["judge"]``: score and raw replies; episodes of a
-group the judge could not score are left out and counted), ``DIR/judge.json`` (agreement: Spearman
+Writes ``DIR/judged.jsonl`` (every episode with ``info["judge"]``: its score, None in a task group
+the judge could not score, and the raw replies), ``DIR/judge.json`` (agreement: Spearman
 with a bootstrap interval over tasks and the within-task pairwise accuracy; cost; failures; position
 bias) and ``DIR/judge_cache.jsonl`` (a second run over the same episodes pays nothing).
 """
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tracegym.config.rl import JudgeConfig
     from tracegym.data.store import read_trajectories_checked
-    from tracegym.rl.judge import Judge, agreement
+    from tracegym.rl.judge import Judge, agreement, episode_raw
     from tracegym.types import TrajectoryGroup
 
     try:
@@ -68,24 +68,25 @@ def run(args: argparse.Namespace) -> int:
         judged, stats = judge.score_groups(groups, seed=args.seed)
     finally:
         judge.close()
-    kept = [(g, r) for g, r in zip(groups, judged) if r is not None]
+    kept = [(g, r) for g, r in zip(groups, judged) if r.scores is not None]
     from tracegym.files import atomic_write_text
 
-    lines = []
-    for group, (scores, raw) in kept:
-        for i, (t, score) in enumerate(zip(group.trajectories, scores)):
-            replies = [raw[i]] if cfg.mode == "rubric" else raw
-            lines.append(t.model_copy(update={"info": {**t.info, "judge": {"mode": cfg.mode, "score": score,
-                                                                            "raw": replies}}}).model_dump_json())
+    lines = []  # every episode, with its score (None in a group the judge could not score) and the raw replies
+    for group, judgment in zip(groups, judged):
+        for i, t in enumerate(group.trajectories):
+            verdict = {"mode": cfg.mode, "score": judgment.scores[i] if judgment.scores is not None else None,
+                       "raw": episode_raw(judgment, i, cfg.mode)}
+            lines.append(t.model_copy(update={"info": {**t.info, "judge": verdict}}).model_dump_json())
     atomic_write_text(out / "judged.jsonl", "".join(line + "\n" for line in lines))
     summary = {"judge": {"model": cfg.model, "mode": cfg.mode, "position_bias_check": cfg.position_bias},
                "source": str(args.trajectories),
-               "agreement": agreement([g for g, _ in kept], [r[0] for _, r in kept], seed=args.seed) if kept else None,
+               "agreement": agreement([g for g, _ in kept], [r.scores for _, r in kept], seed=args.seed) if kept else None,
                **{key.split("/", 1)[1]: value for key, value in stats.metrics().items()}}
     atomic_write_text(out / "judge.json", json.dumps(summary, indent=2) + "\n")
     a = summary["agreement"] or {}
     ci = a.get("spearman_ci")
-    print(f"judged {len(lines)} of {len(episodes)} episodes ({stats.failed_groups} task groups not scored: "
+    scored = sum(len(g.trajectories) for g, _ in kept)
+    print(f"judged {scored} of {len(episodes)} episodes ({stats.failed_groups} task groups not scored: "
           f"{stats.parse_failures} unparsed replies, {stats.errors} failed requests)")
     if a:
         print(f"agreement with the rewards: Spearman {a['spearman']:.3f}"

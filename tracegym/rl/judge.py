@@ -45,7 +45,7 @@ from typing import Any, Sequence
 from tracegym.config.rl import DEFAULT_RUBRIC, JudgeConfig
 from tracegym.types import Message, Trajectory, TrajectoryGroup
 
-__all__ = ["DEFAULT_RUBRIC", "Judge", "agreement", "JudgeConfig", "JudgeError", "JudgeStats", "judge_groups", "parse_ranking",
+__all__ = ["DEFAULT_RUBRIC", "GroupJudgment", "Judge", "agreement", "episode_raw", "JudgeConfig", "JudgeError", "JudgeStats", "judge_groups", "parse_ranking",
            "parse_score", "spearman", "transcript"]
 
 _RAW_CHARS = 2_000  # of each raw reply kept in Trajectory.info
@@ -197,6 +197,16 @@ def parse_ranking(text: str, n: int) -> list[float] | None:
 
 
 @dataclass
+class GroupJudgment:
+    """The judge's verdict on one group: a score per episode (None when the judgment failed: a reply
+    that did not parse, a request that failed) and its raw replies (rubric: one per episode, in
+    order; ranking: one per order judged), kept either way."""
+
+    scores: list[float] | None
+    raw: list[str]
+
+
+@dataclass
 class _Reply:
     content: str | None  # None: the request failed
     error: str = ""
@@ -259,16 +269,14 @@ class Judge:
                         handle.write(json.dumps(entry) + "\n")
         return _Reply(content)
 
-    def _judge_group(self, group: TrajectoryGroup, seed: int, stats: JudgeStats) -> tuple[list[float], list[str]] | None:
-        """``(score per episode, raw replies)`` of one group, None when the judgment failed."""
+    def _judge_group(self, group: TrajectoryGroup, seed: int, stats: JudgeStats) -> GroupJudgment:
         texts = [transcript(t, self.cfg.max_transcript_chars) for t in group.trajectories]
         if self.cfg.mode == "rubric":
             replies = list(self._pool.map(lambda text: self._ask(rubric_messages(self.cfg.rubric, text), stats), texts))
             scores = [parse_score(r.content) if r.content is not None else None for r in replies]
             self._count_failures(replies, scores, stats)
-            if any(s is None for s in scores):
-                return None
-            return scores, [(r.content or "")[:_RAW_CHARS] for r in replies]  # type: ignore[return-value]
+            raw = [(r.content if r.content is not None else f"(request failed: {r.error})")[:_RAW_CHARS] for r in replies]
+            return GroupJudgment(None if any(s is None for s in scores) else scores, raw)  # type: ignore[arg-type]
         orders = [list(range(len(texts)))]
         if self.cfg.position_bias and len(texts) > 1:
             shuffled = list(range(len(texts)))
@@ -278,8 +286,9 @@ class Judge:
             lambda order: self._ask(ranking_messages(self.cfg.rubric, [texts[i] for i in order]), stats), orders))
         parsed = [parse_ranking(r.content, len(texts)) if r.content is not None else None for r in replies]
         self._count_failures(replies, parsed, stats)
+        raw = [(r.content if r.content is not None else f"(request failed: {r.error})")[:_RAW_CHARS] for r in replies]
         if any(p is None for p in parsed):
-            return None
+            return GroupJudgment(None, raw)
         per_order = []
         for order, scores in zip(orders, parsed):
             back = [0.0] * len(texts)
@@ -289,17 +298,15 @@ class Judge:
         if len(per_order) == 2:
             with self._lock:
                 stats.bias.extend(abs(a - b) for a, b in zip(*per_order))
-        final = [sum(s[i] for s in per_order) / len(per_order) for i in range(len(texts))]
-        return final, [(r.content or "")[:_RAW_CHARS] for r in replies]
+        return GroupJudgment([sum(s[i] for s in per_order) / len(per_order) for i in range(len(texts))], raw)
 
     def _count_failures(self, replies: Sequence[_Reply], parsed: Sequence[Any], stats: JudgeStats) -> None:
         with self._lock:
             stats.parse_failures += sum(1 for r, p in zip(replies, parsed) if r.content is not None and p is None)
 
-    def score_groups(self, groups: Sequence[TrajectoryGroup], seed: int = 0
-                     ) -> tuple[list[tuple[list[float], list[str]] | None], JudgeStats]:
-        """One judgment per group (None where it failed: counted in the stats, or raised with
-        ``on_failure: stop``)."""
+    def score_groups(self, groups: Sequence[TrajectoryGroup], seed: int = 0) -> tuple[list[GroupJudgment], JudgeStats]:
+        """One judgment per group (``scores`` None where it failed: counted in the stats, or raised
+        with ``on_failure: stop``)."""
         stats = JudgeStats()
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=max(1, min(len(groups), self.cfg.concurrency))) as groups_pool:
@@ -307,14 +314,14 @@ class Judge:
                                           enumerate(groups)))
         stats.seconds = time.perf_counter() - started
         for group, result in zip(groups, judged):
-            if result is None:
+            if result.scores is None:
                 stats.failed_groups += 1
                 if self.cfg.on_failure == "stop":
                     raise JudgeError(f"the judge could not score the group of task {group.task_id!r} "
                                      f"({stats.parse_failures} unparsed replies, {stats.errors} failed requests; "
                                      "reward.judge.on_failure: stop)")
             else:
-                stats.scores.extend(result[0])
+                stats.scores.extend(result.scores)
         return judged, stats
 
 
@@ -329,6 +336,11 @@ def _judged(trajectory: Trajectory, score: float, raw: list[str], cfg: JudgeConf
         "info": {**trajectory.info, "judge": {"mode": cfg.mode, "score": score, "raw": raw}}})
 
 
+def episode_raw(judgment: GroupJudgment, index: int, mode: str) -> list[str]:
+    """The raw replies that bear on episode ``index`` of a group: its own (rubric) or all (ranking)."""
+    return [judgment.raw[index]] if mode == "rubric" else list(judgment.raw)
+
+
 def judge_groups(judge: Judge, groups: Sequence[TrajectoryGroup], tasks: Sequence[Any], seed: int
                  ) -> tuple[list[TrajectoryGroup], list[Any], JudgeStats]:
     """The step's groups with the judge's score in their rewards; groups whose judgment failed leave
@@ -336,13 +348,10 @@ def judge_groups(judge: Judge, groups: Sequence[TrajectoryGroup], tasks: Sequenc
     judged, stats = judge.score_groups(groups, seed)
     kept_groups, kept_tasks = [], []
     for group, task, result in zip(groups, tasks, judged):
-        if result is None:
+        if result.scores is None:
             continue
-        scores, raw = result
-        per_episode_raw = raw if judge.cfg.mode == "rubric" else None
-        trajectories = tuple(
-            _judged(t, score, [per_episode_raw[i]] if per_episode_raw is not None else raw, judge.cfg)
-            for i, (t, score) in enumerate(zip(group.trajectories, scores)))
+        trajectories = tuple(_judged(t, score, episode_raw(result, i, judge.cfg.mode), judge.cfg)
+                             for i, (t, score) in enumerate(zip(group.trajectories, result.scores)))
         kept_groups.append(group.model_copy(update={"trajectories": trajectories}))
         kept_tasks.append(task)
     return kept_groups, kept_tasks, stats
