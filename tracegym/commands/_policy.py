@@ -190,6 +190,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_tasks: int, de
     parser.add_argument("--batching", choices=("continuous", "per_turn"), default="continuous",
                         help="hf engine: turns join one running batch (continuous, default) or wait for one "
                              "generate call per turn (per_turn)")
+    parser.add_argument("--context", default="full", metavar="POLICY[:KEEP]",
+                        help="what prompts show of a long history: full (default), window:K (the task and the last K "
+                             "turns) or observation_masking:K (older tool results replaced by a placeholder); "
+                             "docs/rollouts.md, Context policies")
     parser.add_argument("--strategy", default="chains",
                         help="rollout strategy (tracegym.rollout.strategies: chains, tree, or a --plugin's; default chains)")
     parser.add_argument("--strategy-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
@@ -470,11 +474,20 @@ def rollout_config(
             samples_per_task=args.samples,
             concurrency=args.concurrency,
             batching=args.batching,
+            context=context_arg(getattr(args, "context", "full")),
             on_env_error=on_env_error,
             measure_logprob_gap=measure_logprob_gap and setup.gap_model is not None,
         )
     except ValidationError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def context_arg(value: str) -> dict[str, Any]:
+    """``--context POLICY[:KEEP]`` as ``rollout.context`` (UsageError naming the flag otherwise)."""
+    policy, _, keep = value.partition(":")
+    if policy not in ("full", "window", "observation_masking") or (keep and not keep.isdigit()) or keep == "0":
+        raise UsageError(f"--context {value!r}: expected full, window[:K] or observation_masking[:K] with K >= 1")
+    return {"policy": policy, **({"keep_turns": int(keep)} if keep else {})}
 
 
 def run_policy(

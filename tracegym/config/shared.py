@@ -257,6 +257,27 @@ class TasksConfig(_Section):
     takes the next tasks of the seeded order."""
 
 
+class ContextConfig(BaseModel):
+    """How an episode's history is shown to the model once it grows (``rollout.context``).
+    ``full``: everything, every turn extends the last prompt. ``window``: the opening messages (system
+    prompt, task) and the last ``keep_turns`` turns (each an assistant message and what answered it).
+    ``observation_masking``: every message, but the tool results of turns older than the last
+    ``keep_turns`` replaced by ``placeholder``. A rewritten history is rendered afresh, so the episode's
+    trajectory becomes segments, each trained on exactly the prompt the model saw and the tokens it
+    sampled (docs/rollouts.md, "Context policies")."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    policy: Literal["full", "window", "observation_masking"] = "full"
+    """``full``, ``window`` or ``observation_masking``."""
+
+    keep_turns: int = Field(2, ge=1)
+    """Turns kept whole (``window``) or with their tool results (``observation_masking``)."""
+
+    placeholder: str = "[earlier tool output omitted]"
+    """What a masked tool result reads (``observation_masking``)."""
+
+
 class RolloutSettings(BaseModel):
     """Episode limits and sampling shared by ``RLConfig.rollout`` (``RLRolloutConfig``) and
     ``tracegym.rollout.RolloutConfig``; each subclass sets its own model config."""
@@ -294,6 +315,10 @@ class RolloutSettings(BaseModel):
     measure_logprob_gap: bool = False
     """After the run, re-score the sampled tokens with a teacher-forced forward pass of the engine's
     model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
+
+    context: ContextConfig = Field(default_factory=ContextConfig)
+    """How long histories are shown to the model: ``full`` (default), ``window`` or
+    ``observation_masking`` (``ContextConfig``)."""
 
     batching: Literal["continuous", "per_turn"] = "continuous"
     """How episodes share the model (token engines): ``continuous``, one running batch that each

@@ -174,8 +174,11 @@ class _Browser:
         self.pids = _descendants(os.getpid()) - before  # the driver and the browser's processes
 
     async def _start(self, executable: str) -> None:
-        from playwright.async_api import async_playwright
-
+        try:
+            from playwright.async_api import async_playwright
+        except ImportError:
+            raise RuntimeError("the web env needs the playwright package: pip install 'tracegym[web]' "
+                               "(make installs it); the browser itself is Debian's chromium") from None
         self.playwright = await async_playwright().start()
         # Chromium's own sandbox needs user namespaces, which root in a container lacks; the pages
         # are this env's own generated sites, served from loopback, and every other request is refused.

@@ -17,6 +17,28 @@ from tracegym.envs.injection import env_source
 from tracegym.eval import summarize, write_eval
 from tracegym.rollout import RolloutConfig, RolloutResult
 from tracegym.rollout.strategies import RolloutJob, run_strategy_sync
+from tracegym.types import Trajectory
+
+
+def context_figures(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean prompt tokens per turn, mean longest prompt per episode and mean segments per episode
+    (a segment starts where a turn's prompt does not extend the previous turn's tokens)."""
+    turns = [t for trajectory in trajectories for t in trajectory.turns]
+    if not turns:
+        return {}
+    segments = []
+    for trajectory in trajectories:
+        count, previous = 0, None
+        for turn in trajectory.turns:
+            if previous is None or tuple(turn.prompt_ids[:len(previous)]) != previous:
+                count += 1
+            previous = tuple(turn.prompt_ids) + tuple(turn.completion_ids)
+        segments.append(count)
+    with_turns = [t for t in trajectories if t.turns]
+    return {"prompt_tokens_per_turn": round(sum(len(t.prompt_ids) for t in turns) / len(turns), 1),
+            "max_prompt_tokens_per_episode": round(sum(max(len(t.prompt_ids) for t in tr.turns) for tr in with_turns)
+                                                   / len(with_turns), 1),
+            "segments_per_episode": round(sum(segments) / len(with_turns), 3)}
 
 
 def evaluate_to_dir(
@@ -94,10 +116,14 @@ def evaluate_to_dir(
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
                      "max_tokens_per_turn": config.max_tokens_per_turn,
                      "max_tokens_per_episode": config.max_tokens_per_episode,
-                     "max_context": config.max_context, "episode_timeout_s": config.episode_timeout_s},
+                     "max_context": config.max_context, "episode_timeout_s": config.episode_timeout_s,
+                     "context": config.context.model_dump()},
         "rollout": {"strategy": strategy, "episodes": result.stats.episodes, "failed": result.stats.failed,
                     "wall_time_s": round(result.stats.wall_time_s, 3),
-                    "generated_tokens": result.stats.generated_tokens},
+                    "generated_tokens": result.stats.generated_tokens,
+                    # what prompts cost under the context policy: the mean prompt length of a turn, the
+                    # longest prompt, and the segments (fresh renderings) an episode became
+                    **context_figures(result.trajectories)},
     })
     summary.update(extra or {})
     written = write_eval(out, summary, episodes, plots=plots)

@@ -68,6 +68,7 @@ from tracegym.envs.episode import (
     play_episode,
 )
 from tracegym.memory import release_memory
+from tracegym.rollout.context import apply_context, rewrites_history
 from tracegym.types import REWARD_PART_PREFIX, FinishReason, Generation, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -451,9 +452,10 @@ class RenderedPolicy:
 
     def _next_prompt(self, obs: Observation) -> list[int]:
         renderer = self.runner.renderer
-        if self.prompt is None:
+        context = self.runner.config.context
+        if self.prompt is None or rewrites_history(obs.messages, context):  # a rewritten history: a new segment
             try:
-                return list(renderer.render_prompt(list(obs.messages), list(obs.tools) or None))
+                return list(renderer.render_prompt(apply_context(obs.messages, context), list(obs.tools) or None))
             except Exception as exc:  # noqa: BLE001
                 raise PolicyError(f"renderer.render_prompt failed: {_describe(exc)}") from exc
         try:
@@ -508,11 +510,12 @@ class RenderedPolicy:
             call = getattr(runner.policy, "chat_with_errors", None)
             try:
                 if call is not None:
-                    parsed = await asyncio.to_thread(call, list(obs.messages), tools, params)
+                    parsed = await asyncio.to_thread(call, apply_context(obs.messages, runner.config.context), tools, params)
                     message, errors = parsed.message, tuple(parsed.errors)
                     finish = "stop" if parsed.ended_with_eot else "length"
                 else:
-                    message = await asyncio.to_thread(runner.policy.chat, list(obs.messages), tools, params)
+                    message = await asyncio.to_thread(runner.policy.chat, apply_context(obs.messages, runner.config.context),
+                                                      tools, params)
             except Exception as exc:  # noqa: BLE001
                 raise PolicyError(_describe(exc)) from exc
         try:
