@@ -146,6 +146,8 @@ def test_a_hung_page_a_dead_browser_and_leaving_the_site_end_the_episode(monkeyp
 
         with pytest.raises(WebEpisodeError, match="the browser died"):
             asyncio.run(crash())
+        # the same env starts over on a fresh browser at its next reset
+        assert asyncio.run(env.reset(task))[1].content.count("Page: Shop (/)") == 1 and env.browser.alive()
     finally:
         env.close()
 

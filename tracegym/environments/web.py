@@ -23,6 +23,7 @@ the page lives in another process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -98,8 +99,17 @@ def find_chromium(explicit: str | None = None) -> str | None:
     return None
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(pid: int, depth: int | None = None) -> set[int]:
+    """Every live process below ``pid`` (from /proc), at most ``depth`` levels down (None: all)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -109,12 +119,16 @@ def _descendants(pid: int) -> set[int]:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
+    found: set[int] = set()
+    todo = [(pid, 0)]
     while todo:
-        for child in children.get(todo.pop(), []):
+        parent, level = todo.pop()
+        if depth is not None and level >= depth:
+            continue
+        for child in children.get(parent, []):
             if child not in found:
                 found.add(child)
-                todo.append(child)
+                todo.append((child, level + 1))
     return found
 
 
@@ -165,13 +179,17 @@ class _Browser:
         self.playwright: Any = None
         self.browser: Any = None
         self.pids: set[int] = set()
-        before = _descendants(os.getpid())
+        self.core_pids: set[int] = set()
+        before, core_before = _descendants(os.getpid()), _descendants(os.getpid(), depth=2)
         try:
             self.call_sync(self._start(executable), 60.0)
         except Exception:
             self.close()
             raise
         self.pids = _descendants(os.getpid()) - before  # the driver and the browser's processes
+        # Playwright's driver and Chromium's main process: if either is gone, so is the browser
+        # (its helpers and renderers come and go on their own)
+        self.core_pids = _descendants(os.getpid(), depth=2) - core_before
 
     async def _start(self, executable: str) -> None:
         try:
@@ -187,7 +205,8 @@ class _Browser:
             args=["--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"])
 
     def alive(self) -> bool:
-        return self.thread.is_alive() and self.browser is not None and self.browser.is_connected()
+        return (self.thread.is_alive() and self.browser is not None and self.browser.is_connected()
+                and all(_running(pid) for pid in self.core_pids))
 
     def call_sync(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -283,6 +302,10 @@ class WebEnv(ToolEnv):
         return "its page lives in a browser process (the site's database could be copied, the page's state cannot)"
 
     def _ensure_browser(self) -> _Browser:
+        if self.browser is not None and not self.browser.alive():  # it crashed in an earlier episode: a fresh one
+            self._release_on_gc.detach()
+            _Browser.release(self.browser)
+            self.browser, self.context, self.page = None, None, None
         if self.browser is None:
             executable = find_chromium(self.chromium)
             if executable is None:
@@ -298,7 +321,8 @@ class WebEnv(ToolEnv):
 
         async def open_page() -> tuple[Any, Any]:
             if self.context is not None:
-                await self.context.close()
+                with contextlib.suppress(Exception):  # the last episode's page may be gone with its browser
+                    await self.context.close()
             context = await browser.browser.new_context()
 
             async def only_this_site(route: Any) -> None:
