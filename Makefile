@@ -36,7 +36,7 @@ test: $(STAMP)
 # exact resume, CLI subprocesses, Ray, the real SmolLM2, sandboxed code, servers); make test runs all
 FAST_SKIP := memory_flat preference models rl serve_openai executors cli_plugins rollout env_code team_rl \
 	distill distill_remote_teacher demo rl_learning_holds seeds env_terminal env_mcp rl_plugins curriculum \
-	report export rollout_strategies sft continuous_batching mc_continuation tree injection selfplay harness
+	report export rollout_strategies sft continuous_batching mc_continuation tree injection selfplay harness env_web
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 $(foreach f,$(FAST_SKIP),--ignore=tests/test_$(f).py)
 
