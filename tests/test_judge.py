@@ -129,6 +129,15 @@ def test_rubric_scores_join_the_reward_by_weight_and_turn_rewards_still_sum(tmp_
     resumed, fake2 = _judge(lambda p: '{"score": 0.0}', tmp_path, weight=2.0, verifiable_weight=0.5)
     groups2, _, stats2 = judge_groups(resumed, _groups(), ["task0", "task1"], seed=0)
     assert fake2.prompts == [] and stats2.cache_hits == 6 and [t.reward for t in groups2[0].trajectories] == [2.5, 0.0, 2.5]
+    # a new reply after the torn line lands on a line of its own and is read back by the next judge
+    judge_groups(resumed, [_groups()[0].model_copy(update={"task_id": "t9"})], ["task9"], seed=0)
+    assert len(fake2.prompts) == 0  # same transcripts: cached; a new transcript is asked and kept
+    other = TrajectoryGroup(env="calculator", task_id="t7", trajectories=(_episode("t7", 0, "42", (1.0,)),))
+    judge_groups(resumed, [other], ["task7"], seed=0)
+    assert len(fake2.prompts) == 1
+    third, fake3 = _judge(lambda p: '{"score": 0.0}', tmp_path)
+    judge_groups(third, [other], ["task7"], seed=0)
+    assert fake3.prompts == []
 
 
 def test_ranking_sees_the_group_together_and_measures_position_bias():

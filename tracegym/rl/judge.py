@@ -229,15 +229,20 @@ class Judge:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="tracegym-judge")
         if self.cache_path is not None and self.cache_path.is_file():
-            for line in self.cache_path.read_text(encoding="utf-8").splitlines():
+            text = self.cache_path.read_text(encoding="utf-8")
+            for line in text.splitlines():
                 try:
                     entry = json.loads(line)
                     self._cache[entry["key"]] = entry
                 except (ValueError, KeyError, TypeError):
                     continue  # a line torn by a killed run: that reply is asked again
+            if text and not text.endswith("\n"):  # the next entry starts on a line of its own
+                with self.cache_path.open("a", encoding="utf-8") as handle:
+                    handle.write("\n")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.engine.close()
 
     def _ask(self, messages: list[dict[str, str]], stats: JudgeStats) -> _Reply:
         body = {"model": self.cfg.model, "messages": messages, "temperature": self.cfg.temperature,
