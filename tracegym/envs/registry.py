@@ -240,6 +240,7 @@ def check_env_options(name: str, options: Mapping[str, Any] | None = None) -> No
     if bad_keys:
         raise EnvOptionError(f"env {name!r}: option names must be strings, got {bad_keys!r}")
     factory = env_factory(name)
+    _memory_config(name, options.pop("memory", None))
     try:
         parameters = list(inspect.signature(factory).parameters.values())
     except (TypeError, ValueError):
@@ -271,6 +272,7 @@ def make(name: str, **options: Any) -> Env:
     """A fresh instance of env ``name`` built with ``options`` (each call returns a new instance,
     so concurrent episodes never share state)."""
     factory = env_factory(name)
+    memory = _memory_config(name, options.pop("memory", None))  # an option every env takes (envs/memory.py)
     allowed = _allowed_options(factory)
     if allowed is not None:
         bad = [key for key in options if key not in allowed]
@@ -284,4 +286,28 @@ def make(name: str, **options: Any) -> Env:
 
     if not isinstance(env, (Env, TeamEnv)):
         raise TypeError(f"env {name!r}: factory returned {type(env).__name__}, not a tracegym Env or TeamEnv")
+    if memory is not None:
+        from tracegym.envs.memory import MemoryEnv
+
+        if not isinstance(env, Env):
+            raise EnvOptionError(f"env {name!r}: the memory option is for single-agent envs")
+        try:
+            env = MemoryEnv(env, memory)
+        except ValueError as exc:
+            raise EnvOptionError(str(exc)) from exc
     return env
+
+
+def _memory_config(name: str, value: Any) -> Any:
+    """The ``memory`` option as a ``MemoryConfig`` (None when absent); one line naming it otherwise."""
+    if value is None or value is False:
+        return None
+    from pydantic import ValidationError
+
+    from tracegym.envs.memory import MemoryConfig
+
+    try:
+        return MemoryConfig.model_validate({} if value is True else value)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'memory'}: {e['msg']}" for e in exc.errors())
+        raise EnvOptionError(f"env {name!r}: option 'memory': {problems}") from None
