@@ -376,14 +376,19 @@ class WebEnv(ToolEnv):
         url = urllib.parse.urlsplit(self.page.url if self.page is not None else "")
         return url.path + (f"?{url.query}" if url.query else "")
 
-    def _observation(self) -> str:
-        """The page's lines from ``offset``, as many whole lines as fit ``max_observation_chars``."""
+    def _window(self) -> list[str]:
+        """The page's lines from ``offset``: as many whole lines as fit ``max_observation_chars``."""
         shown, size = [], 0
         for line in self.lines[self.offset:]:
             if shown and size + len(line) + 1 > self.max_observation_chars:
                 break
             shown.append(line[: self.max_observation_chars])
             size += len(line) + 1
+        return shown
+
+    def _observation(self) -> str:
+        """The page as the model sees it: its title and path, then the lines of ``_window``."""
+        shown = self._window()
         end = self.offset + len(shown)
         more = (f"\n(lines {self.offset + 1}-{end} of {len(self.lines)}: scroll down for more)" if end < len(self.lines)
                 else f"\n(lines {self.offset + 1}-{end} of {len(self.lines)})" if self.offset else "")
@@ -485,8 +490,7 @@ class WebEnv(ToolEnv):
         if direction not in ("down", "up"):
             raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
         if direction == "down":
-            shown = self._observation().split("\n")[1:]
-            end = self.offset + len([line for line in shown if not line.startswith("(lines ")])
+            end = self.offset + len(self._window())
             if end < len(self.lines):
                 self.scrolled.append(self.offset)  # "up" goes back to exactly this window
                 self.offset = end

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tracegym.config import ATTACK_KINDS, AttackKind, InjectionConfig
 from tracegym.envs.base import Env, EnvSnapshot, Task, _class_path
-from tracegym.envs.tools import extract_answer, tool_schema, validate_tool_arguments
+from tracegym.envs.tools import extract_answer, in_call_order, tool_schema, validate_tool_arguments
 from tracegym.types import Message, StepResult, ToolCall
 
 __all__ = [
@@ -318,7 +318,7 @@ class InjectionEnv(Env):
                 passed_on = message.model_copy(update={"tool_calls": kept})
             result = await self.inner.step(passed_on, parse_errors)
             out = self._deliver(episode, list(result.messages), result.terminated or result.truncated)
-            out = _in_call_order(message.tool_calls, out, answers)
+            out = in_call_order(message.tool_calls, out, answers)
         truncated = result.truncated
         limit = self.max_turns
         if not result.terminated and not truncated and limit is not None and episode.turn >= limit:
@@ -413,26 +413,6 @@ class InjectionEnv(Env):
         inner, episode = snapshot.state
         self.inner.restore(inner)
         self._episode = copy.deepcopy(episode)
-
-
-def _in_call_order(calls: Sequence[ToolCall], inner_out: list[Message], honeypot: list[Message]) -> list[Message]:
-    """The inner env's messages and the honeypot's answers in the order of the calls they answer,
-    so results line up with calls as if one env had run them all (templates pair them by position).
-    Messages answering no call (parse errors) come first, as ``ToolEnv`` writes them; without
-    distinct call ids the honeypot answers simply follow."""
-    if not honeypot:
-        return inner_out
-    ids = [call.id for call in calls]
-    if None in ids or len(set(ids)) != len(ids):
-        return inner_out + honeypot
-    by_id: dict[str | None, Message] = {}
-    rest: list[Message] = []
-    for m in inner_out + honeypot:
-        if m.tool_call_id in ids and m.tool_call_id not in by_id:
-            by_id[m.tool_call_id] = m
-        else:
-            rest.append(m)
-    return rest + [by_id[i] for i in ids if i in by_id]
 
 
 def injected_factory(

@@ -25,6 +25,7 @@ from typing import Any, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracegym.envs.base import Env, Task
+from tracegym.envs.tools import in_call_order
 from tracegym.types import Message, StepResult, ToolCall
 
 __all__ = ["MemoryConfig", "MemoryEnv", "MemoryStore", "memory_store"]
@@ -203,29 +204,17 @@ class MemoryEnv(Env):
             raise RuntimeError("MemoryEnv.step called before reset(task)")
         self.turn += 1
         mine = [c for c in message.tool_calls if c.name in MEMORY_TOOLS]
-        answers = {id(c): self._answer(c) for c in mine}
+        answers = [self._answer(c) for c in mine]
         if mine and len(mine) == len(message.tool_calls) and not parse_errors:
             # only memory calls: the inner env has nothing to do (and must not read this as a final answer)
-            out = [answers[id(c)] for c in mine]
             limit = self.max_turns
             truncated = limit is not None and self.turn >= limit
-            return StepResult(messages=tuple(out), truncated=truncated,
+            return StepResult(messages=tuple(answers), truncated=truncated,
                               info={**({"success": 0} if truncated else {}), **self._info()})
         others = tuple(c for c in message.tool_calls if c.name not in MEMORY_TOOLS)
         result = await self.inner.step(message.model_copy(update={"tool_calls": others}) if mine else message, parse_errors)
-        inner_out = list(result.messages)
-        # the answers in the order of the calls (templates pair results with calls by position)
-        ordered: list[Message] = []
-        for call in message.tool_calls:
-            if id(call) in answers:
-                ordered.append(answers[id(call)])
-            else:
-                match = next((m for m in inner_out if m.role == "tool" and m.tool_call_id == call.id), None)
-                if match is not None:
-                    inner_out.remove(match)
-                    ordered.append(match)
-        ordered += inner_out  # whatever else the env said (a user turn, an error)
-        return StepResult(messages=tuple(ordered), reward=result.reward, terminated=result.terminated,
+        out = in_call_order(message.tool_calls, list(result.messages), answers)
+        return StepResult(messages=tuple(out), reward=result.reward, terminated=result.terminated,
                           truncated=result.truncated, info={**result.info, **self._info()})
 
     def _info(self) -> dict[str, Any]:

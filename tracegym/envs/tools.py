@@ -50,6 +50,7 @@ __all__ = [
     "ToolEnv",
     "ToolSpec",
     "extract_answer",
+    "in_call_order",
     "tool",
     "tool_schema",
     "validate_tool_arguments",
@@ -656,3 +657,23 @@ class ToolEnv(Env):
     def score_answer(self, answer: str) -> float:
         """Reward of a final answer; override this (or ``on_text``)."""
         raise NotImplementedError(f"{type(self).__name__} must override score_answer or on_text")
+
+
+def in_call_order(calls: Sequence[ToolCall], inner_out: list[Message], own: list[Message]) -> list[Message]:
+    """The inner env's messages and a wrapper's own answers (the honeypot's, the memory tools') in
+    the order of the calls they answer, so results line up with calls as if one env had run them all
+    (templates pair them by position). Messages answering no call (parse errors) come first, as
+    ``ToolEnv`` writes them; without distinct call ids the wrapper's answers simply follow."""
+    if not own:
+        return inner_out
+    ids = [call.id for call in calls]
+    if None in ids or len(set(ids)) != len(ids):
+        return inner_out + own
+    by_id: dict[str | None, Message] = {}
+    rest: list[Message] = []
+    for m in inner_out + own:
+        if m.tool_call_id in ids and m.tool_call_id not in by_id:
+            by_id[m.tool_call_id] = m
+        else:
+            rest.append(m)
+    return rest + [by_id[i] for i in ids if i in by_id]

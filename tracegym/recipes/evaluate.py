@@ -15,6 +15,7 @@ from tracegym.config import InjectionConfig
 from tracegym.data.store import TrajectoryWriter
 from tracegym.envs.injection import env_source
 from tracegym.eval import summarize, write_eval
+from tracegym.render.trajectory_examples import BuildStats, build_examples
 from tracegym.rollout import RolloutConfig, RolloutResult
 from tracegym.rollout.strategies import RolloutJob, run_strategy_sync
 from tracegym.types import Trajectory
@@ -22,23 +23,19 @@ from tracegym.types import Trajectory
 
 def context_figures(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Mean prompt tokens per turn, mean longest prompt per episode and mean segments per episode
-    (a segment starts where a turn's prompt does not extend the previous turn's tokens)."""
-    turns = [t for trajectory in trajectories for t in trajectory.turns]
-    if not turns:
-        return {}
-    segments = []
-    for trajectory in trajectories:
-        count, previous = 0, None
-        for turn in trajectory.turns:
-            if previous is None or tuple(turn.prompt_ids[:len(previous)]) != previous:
-                count += 1
-            previous = tuple(turn.prompt_ids) + tuple(turn.completion_ids)
-        segments.append(count)
+    (the training examples ``build_examples`` cuts an episode into: a new one wherever a turn's
+    prompt does not extend the previous turn's tokens)."""
     with_turns = [t for t in trajectories if t.turns]
+    if not with_turns:
+        return {}
+    stats = BuildStats()
+    for trajectory in with_turns:
+        build_examples(trajectory, stats=stats)
+    turns = [t for trajectory in with_turns for t in trajectory.turns]
     return {"prompt_tokens_per_turn": round(sum(len(t.prompt_ids) for t in turns) / len(turns), 1),
             "max_prompt_tokens_per_episode": round(sum(max(len(t.prompt_ids) for t in tr.turns) for tr in with_turns)
                                                    / len(with_turns), 1),
-            "segments_per_episode": round(sum(segments) / len(with_turns), 3)}
+            "segments_per_episode": round(stats.examples / len(with_turns), 3)}
 
 
 def evaluate_to_dir(
