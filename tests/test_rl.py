@@ -156,6 +156,9 @@ def test_cli_runs_rl_on_the_calculator_env(tmp_path, capsys):
                      id="kl_reward-lora"),
         pytest.param(("policy_loss.tis_cap=2.0",), CLIPPED + ("train/tis_truncated_frac",), id="tis"),
         pytest.param(("ppo_epochs=2", "policy_loss.dual_clip_c=3.0"), CLIPPED, id="ppo_epochs2"),
+        pytest.param(("rollout.context.policy=summarize", "rollout.context.summarize_at=1",
+                      "rollout.context.max_summary_tokens=3", "advantage.estimator=turn_rloo"),
+                     CLIPPED + ("episode/summaries",), id="summarize-turn_rloo"),
     ],
 )
 def test_loss_options_run_and_log(tmp_path, options, expected):

@@ -190,6 +190,10 @@ class Turn(_Frozen):
     env_messages: tuple[Message, ...] = ()  # what the env answered (tool results, user turns)
     reward: float = 0.0
     metrics: dict[str, float] = Field(default_factory=dict)
+    kind: Literal["action", "summary"] = "action"
+    """``action``: a turn the env was stepped with. ``summary``: a summary the model wrote of its own
+    history (``rollout.context: summarize``); never sent to the env, reward 0, trained like any other
+    turn; evaluation's turn counts leave it out."""
     state_key: str | None = None
     """Key of the environment state this turn acted in (``Env.state_key()`` before the action, or a
     hash of the observations so far): turns of one task with equal keys faced the same state, which

@@ -190,10 +190,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_tasks: int, de
     parser.add_argument("--batching", choices=("continuous", "per_turn"), default="continuous",
                         help="hf engine: turns join one running batch (continuous, default) or wait for one "
                              "generate call per turn (per_turn)")
-    parser.add_argument("--context", default="full", metavar="POLICY[:KEEP]",
+    parser.add_argument("--context", default="full", metavar="POLICY[:KEEP][@AT]",
                         help="what prompts show of a long history: full (default), window:K (the task and the last K "
-                             "turns) or observation_masking:K (older tool results replaced by a placeholder); "
-                             "docs/rollouts.md, Context policies")
+                             "turns), observation_masking:K (older tool results replaced by a placeholder) or "
+                             "summarize:K@N (past N prompt tokens the model summarizes its history; the summary and "
+                             "the last K turns stay); docs/rollouts.md, Context policies")
     parser.add_argument("--strategy", default="chains",
                         help="rollout strategy (tracegym.rollout.strategies: chains, tree, or a --plugin's; default chains)")
     parser.add_argument("--strategy-option", action="append", type=key_value, default=[], metavar="KEY=VALUE",
@@ -483,11 +484,16 @@ def rollout_config(
 
 
 def context_arg(value: str) -> dict[str, Any]:
-    """``--context POLICY[:KEEP]`` as ``rollout.context`` (UsageError naming the flag otherwise)."""
-    policy, _, keep = value.partition(":")
-    if policy not in ("full", "window", "observation_masking") or (keep and not keep.isdigit()) or keep == "0":
-        raise UsageError(f"--context {value!r}: expected full, window[:K] or observation_masking[:K] with K >= 1")
-    return {"policy": policy, **({"keep_turns": int(keep)} if keep else {})}
+    """``--context POLICY[:KEEP][@AT]`` as ``rollout.context`` (UsageError naming the flag otherwise);
+    ``@AT`` (``summarize`` only) is its ``summarize_at``."""
+    rest, _, at = value.partition("@")
+    policy, _, keep = rest.partition(":")
+    bad_number = any(x and (not x.isdigit() or int(x) == 0) for x in (keep, at))
+    if policy not in ("full", "window", "observation_masking", "summarize") or bad_number \
+            or ("@" in value and (policy != "summarize" or not at)):
+        raise UsageError(f"--context {value!r}: expected full, window[:K], observation_masking[:K] or "
+                         "summarize[:K][@N] (summarize past N prompt tokens) with K, N >= 1")
+    return {"policy": policy, **({"keep_turns": int(keep)} if keep else {}), **({"summarize_at": int(at)} if at else {})}
 
 
 def run_policy(

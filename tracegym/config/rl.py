@@ -429,6 +429,10 @@ class RLConfig(_Section):
     def _check(self) -> "RLConfig":
         if self.model.adapter and not self.lora.enabled:
             raise ValueError("model.adapter is set but lora.enabled is false: an adapter needs LoRA training")
+        if self.rollout.context.policy == "summarize" and (self.rollout.strategy == "tree"
+                                                           or self.advantage.intrinsic == "mc_continuation"):
+            raise ValueError("rollout.context summarize: tree rollouts and mc_continuation replay prefixes turn by "
+                             "turn, which summary turns break; use full, window or observation_masking with them")
         if self.roles or self.selfplay is not None:
             if not self.lora.enabled:
                 raise ValueError("roles: a team trains one LoRA adapter per role; set lora.enabled: true")

@@ -262,20 +262,38 @@ class ContextConfig(BaseModel):
     ``full``: everything, every turn extends the last prompt. ``window``: the opening messages (system
     prompt, task) and the last ``keep_turns`` turns (each an assistant message and what answered it).
     ``observation_masking``: every message, but the tool results of turns older than the last
-    ``keep_turns`` replaced by ``placeholder``. A rewritten history is rendered afresh, so the episode's
+    ``keep_turns`` replaced by ``placeholder``. ``summarize``: once the prompt passes ``summarize_at``
+    tokens, the model first writes a summary (a sampled turn, trained like any other, never sent to
+    the env); from then on the prompt shows the opening messages, that summary and the turns since
+    (with the last ``keep_turns`` before it). A rewritten history is rendered afresh, so the episode's
     trajectory becomes segments, each trained on exactly the prompt the model saw and the tokens it
     sampled (docs/rollouts.md, "Context policies")."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    policy: Literal["full", "window", "observation_masking"] = "full"
-    """``full``, ``window`` or ``observation_masking``."""
+    policy: Literal["full", "window", "observation_masking", "summarize"] = "full"
+    """``full``, ``window``, ``observation_masking`` or ``summarize``."""
 
     keep_turns: int = Field(2, ge=1)
-    """Turns kept whole (``window``) or with their tool results (``observation_masking``)."""
+    """Turns kept whole (``window``), with their tool results (``observation_masking``), or shown
+    after a summary next to it (``summarize``)."""
 
     placeholder: str = "[earlier tool output omitted]"
     """What a masked tool result reads (``observation_masking``)."""
+
+    summarize_at: int = Field(1024, gt=0)
+    """``summarize``: prompt tokens above which the model summarizes before its next action (set it
+    below ``max_context`` by at least ``max_summary_tokens``)."""
+
+    max_summary_tokens: int = Field(256, gt=0)
+    """``summarize``: most tokens of one summary turn."""
+
+    summary_request: str = ("Your context is nearly full. Summarize the task and everything you have learned and "
+                            "done so far that you still need, in a few lines, without calling a tool.")
+    """``summarize``: the user message that asks for the summary (the summary turn's prompt ends with it)."""
+
+    summary_header: str = "Summary of your earlier turns (written by you):"
+    """``summarize``: what precedes the summary in the prompts after it."""
 
 
 class RolloutSettings(BaseModel):
@@ -317,8 +335,8 @@ class RolloutSettings(BaseModel):
     model and report mean/max |engine log-prob - trainer log-prob| in the stats."""
 
     context: ContextConfig = Field(default_factory=ContextConfig)
-    """How long histories are shown to the model: ``full`` (default), ``window`` or
-    ``observation_masking`` (``ContextConfig``)."""
+    """How long histories are shown to the model: ``full`` (default), ``window``,
+    ``observation_masking`` or ``summarize`` (``ContextConfig``)."""
 
     batching: Literal["continuous", "per_turn"] = "continuous"
     """How episodes share the model (token engines): ``continuous``, one running batch that each

@@ -131,6 +131,11 @@ class Action:
     message: Message
     parse_errors: tuple[str, ...] = ()
     tokens: TokenData | None = None
+    summary_request: Message | None = None
+    """Set when this action is a summary of the episode's history that the policy wrote to manage
+    its context (``rollout.context: summarize``): the user message it answered. The episode records
+    the turn (``Turn.kind == "summary"``) and adds both messages to the transcript, but never steps
+    the env with it; it does not count toward the turn limit."""
 
 
 @dataclass(frozen=True)
@@ -278,7 +283,8 @@ class _Progress:
         self.end_reason, self.error = reason, error
 
 
-def _turn(action: Action, step: StepResult, reward: float, state_key: str) -> Turn:
+def _turn(action: Action, step: StepResult | None, reward: float, state_key: str) -> Turn:
+    """The token-exact record of ``action``; ``step`` None: a summary turn (no env step)."""
     tokens = action.tokens
     assert tokens is not None
     logprobs = tuple(float(x) for x in tokens.completion_logprobs) if tokens.completion_logprobs is not None else None
@@ -289,11 +295,31 @@ def _turn(action: Action, step: StepResult, reward: float, state_key: str) -> Tu
         finish_reason=tokens.finish_reason,
         message=action.message,
         parse_errors=tuple(action.parse_errors),
-        env_messages=tuple(step.messages),
+        env_messages=() if step is None else tuple(step.messages),
         reward=reward,
-        metrics=_numeric(step.info),
+        metrics={} if step is None else _numeric(step.info),
+        kind="summary" if step is None else "action",
         state_key=state_key,
     )
+
+
+def _record_summary(action: Action, st: _Progress, key: str, after_summary: bool) -> str | None:
+    """Record a summary turn (``Action.summary_request``): its two messages join the transcript, its
+    tokens the turns; the env is not stepped. Returns an error text for a malformed one."""
+    assert action.summary_request is not None
+    if after_summary:
+        return "policy wrote two summaries without acting in between"
+    if action.summary_request.role != "user":
+        return "a summary's request must be a user message"
+    if action.tokens is None:
+        return "a summary turn needs token data"
+    try:  # its own state key: GiGPO compares summaries with summaries, never with actions
+        st.turns.append(_turn(action, None, 0.0, f"summary:{key}"))
+    except Exception as exc:  # noqa: BLE001 - malformed token data is the policy's fault
+        return f"invalid token data: {_describe(exc)}"
+    st.generated += len(action.tokens.completion_ids)
+    st.messages.extend([action.summary_request, action.message])
+    return None
 
 
 async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens: int | None, st: _Progress) -> None:
@@ -307,6 +333,7 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
     observed.add(initial)
     new_messages: tuple[Message, ...] = tuple(initial)
     with_tokens: bool | None = None  # decided by the first action
+    after_summary = False  # the last action was a summary: the next one must act
     while True:
         if st.assistant_turns >= max_turns:
             return st.end("max_turns")
@@ -343,6 +370,15 @@ async def _play(env: Env, task: Task, policy: Policy, max_turns: int, max_tokens
                     f"policy gave {len(tokens.completion_logprobs)} log-probs for "
                     f"{len(tokens.completion_ids)} completion tokens",
                 )
+        if action.summary_request is not None:  # the policy summarized its history: no env step
+            problem = _record_summary(action, st, key, after_summary)
+            if problem is not None:
+                return st.end("engine_error", problem)
+            after_summary, new_messages = True, ()  # no env answer: the next prompt is rendered afresh
+            if max_tokens is not None and st.generated >= max_tokens:
+                return st.end("max_tokens")
+            continue
+        after_summary = False
         st.messages.append(action.message)
         st.assistant_turns += 1
         cut = None if tokens is None else tokens.finish_reason != "stop"

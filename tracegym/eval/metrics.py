@@ -76,10 +76,11 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
 
 
 def assistant_turns(trajectory: Trajectory) -> int:
-    """Number of assistant turns of an episode: its token-exact turns, or, for trajectories stored
-    without turns (text-level engines, imported data), its assistant messages."""
+    """Number of assistant turns of an episode: its token-exact turns (summaries of its own context
+    left out: they are not env steps), or, for trajectories stored without turns (text-level engines,
+    imported data), its assistant messages."""
     if trajectory.turns:
-        return len(trajectory.turns)
+        return sum(1 for t in trajectory.turns if t.kind == "action")
     return sum(1 for m in trajectory.messages if m.role == "assistant")
 
 

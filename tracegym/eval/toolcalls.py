@@ -145,7 +145,7 @@ def _assistant_turns(trajectory: Trajectory) -> list[_AssistantTurn]:
     """
     if trajectory.turns:
         return [_AssistantTurn(t.message, tuple(t.parse_errors), tuple(t.env_messages), t.finish_reason != "stop")
-                for t in trajectory.turns]
+                for t in trajectory.turns if t.kind == "action"]  # a context summary is no env step
     out: list[_AssistantTurn] = []
     messages = list(trajectory.messages)
     for i, m in enumerate(messages):

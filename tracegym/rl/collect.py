@@ -65,7 +65,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         "reward/mean": mean(rewards),
         "reward/std": float(np.std(rewards)) if rewards else 0.0,
         "success_rate": mean([float(t.success) for t in episodes]),
-        "episode/turns": mean([len(t.turns) for t in episodes]),
+        "episode/turns": mean([sum(1 for u in t.turns if u.kind == "action") for t in episodes]),  # env steps
         "episode/generated_tokens": mean([t.num_generated_tokens for t in episodes]),
         "env/errors": float(sum(r.stats.failed for r in results)),
         **reward_part_metrics(episodes),
@@ -74,6 +74,9 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], results: Sequence[Rollout
         **injection_metrics(episodes, "attack/"),
         **call_failure_metrics(episodes),
     }
+    summaries = [sum(1 for u in t.turns if u.kind == "summary") for t in episodes]
+    if any(summaries):  # rollout.context: summarize
+        metrics["episode/summaries"] = mean(summaries)
     for r in results:
         for reason, count in r.stats.end_reasons.items():
             metrics[f"end/{reason}"] = metrics.get(f"end/{reason}", 0.0) + float(count)

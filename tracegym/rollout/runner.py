@@ -50,7 +50,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Literal, Sequence
 
 from pydantic import ConfigDict, Field
@@ -68,8 +68,8 @@ from tracegym.envs.episode import (
     play_episode,
 )
 from tracegym.memory import release_memory
-from tracegym.rollout.context import apply_context, rewrites_history
-from tracegym.types import REWARD_PART_PREFIX, FinishReason, Generation, SamplingParams, Trajectory
+from tracegym.rollout.context import apply_context, expert_summary, needs_summary, rewrites_history
+from tracegym.types import REWARD_PART_PREFIX, FinishReason, Generation, Message, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -472,24 +472,59 @@ class RenderedPolicy:
             return forced
         cfg = self.runner.config
         prompt = self._next_prompt(obs)
-        budget = cfg.max_tokens_per_turn
-        if obs.token_budget is not None:
-            budget = min(budget, obs.token_budget)
+        if needs_summary(obs.messages, len(prompt), cfg.context):
+            return await self._summarize(obs)
+        action = await self._complete(prompt, self._budget(prompt, cfg.max_tokens_per_turn, obs), obs)
+        assert action.tokens is not None
+        self.prompt, self.completion = prompt, list(action.tokens.completion_ids)
+        return action
+
+    def _budget(self, prompt: list[int], most: int, obs: Observation) -> int:
+        """Tokens the next completion may have: ``most``, the episode's budget left, the context room."""
+        cfg = self.runner.config
+        budget = most if obs.token_budget is None else min(most, obs.token_budget)
         if cfg.max_context is not None:
             room = cfg.max_context - len(prompt)
             if room <= 0:
                 raise ContextExhausted(f"prompt of {len(prompt)} tokens leaves no room in {cfg.max_context}")
             budget = min(budget, room)
-        action = await self._complete(prompt, budget, obs)
+        return budget
+
+    async def _summarize(self, obs: Observation) -> Action:
+        """``rollout.context: summarize``: the model answers ``summary_request`` with a summary of its
+        history (a sampled turn; the env is not stepped). Its prompt extends the previous one token
+        by token when the history was shown in full, so it joins that segment."""
+        runner, context = self.runner, self.runner.config.context
+        request = Message(role="user", content=context.summary_request)
+        shown = apply_context(obs.messages, context) + [request]
+        try:
+            if self.prompt is not None and not rewrites_history(obs.messages, context):
+                prompt = list(runner.renderer.continue_prompt(self.prompt, self.completion, list(obs.new_messages) + [request]))
+            else:
+                prompt = list(runner.renderer.render_prompt(shown, list(obs.tools) or None))
+        except Exception as exc:  # noqa: BLE001
+            raise PolicyError(f"renderer failed on the summary prompt: {_describe(exc)}") from exc
+        budget = self._budget(prompt, context.max_summary_tokens, obs)
+        if runner.mode == "expert":  # scripted: the calls so far
+            message = Message(role="assistant", content=expert_summary(obs.messages, context))
+            action = Action(message=message, tokens=TokenData(prompt, tuple(runner.renderer.encode_completion(message)), None, "stop"))
+        else:
+            # its own seed key (turn -1 - t), so the summary and the action after it draw different samples
+            action = await self._complete(prompt, budget, replace(obs, messages=tuple(shown)), shown, seed_turn=-1 - obs.turn)
         assert action.tokens is not None
         self.prompt, self.completion = prompt, list(action.tokens.completion_ids)
-        return action
+        return replace(action, summary_request=request)
 
-    async def _complete(self, prompt: list[int], budget: int, obs: Observation) -> Action:
+    async def _complete(self, prompt: list[int], budget: int, obs: Observation,
+                        shown: list[Message] | None = None, seed_turn: int | None = None) -> Action:
+        """One completion of ``prompt``; message-level engines get ``shown`` (default: the context
+        policy's view of ``obs.messages``)."""
         runner = self.runner
+        if shown is None:
+            shown = apply_context(obs.messages, runner.config.context)
         if runner.mode == "token":
             assert runner.batcher is not None
-            gen = await runner.batcher.generate(prompt, budget, self.adapter, seed_key=(self.episode_index, obs.turn))
+            gen = await runner.batcher.generate(prompt, budget, self.adapter, seed_key=(self.episode_index, obs.turn if seed_turn is None else seed_turn))
             try:
                 parsed = runner.renderer.parse_completion(gen.token_ids)
             except Exception as exc:  # noqa: BLE001
@@ -510,12 +545,11 @@ class RenderedPolicy:
             call = getattr(runner.policy, "chat_with_errors", None)
             try:
                 if call is not None:
-                    parsed = await asyncio.to_thread(call, apply_context(obs.messages, runner.config.context), tools, params)
+                    parsed = await asyncio.to_thread(call, shown, tools, params)
                     message, errors = parsed.message, tuple(parsed.errors)
                     finish = "stop" if parsed.ended_with_eot else "length"
                 else:
-                    message = await asyncio.to_thread(runner.policy.chat, apply_context(obs.messages, runner.config.context),
-                                                      tools, params)
+                    message = await asyncio.to_thread(runner.policy.chat, shown, tools, params)
             except Exception as exc:  # noqa: BLE001
                 raise PolicyError(_describe(exc)) from exc
         try:
@@ -761,6 +795,9 @@ async def run_prefixed_episodes(
     ``failed`` repeats the failed ones. Stats: episodes, failed, end reasons, sampled tokens (the
     prefixes' not counted), generate calls, batch size and wall time."""
     config = config or RolloutConfig()
+    if config.context.policy == "summarize":  # a prefix is replayed per env turn; summaries are not env turns
+        raise ValueError("run_prefixed_episodes (tree rollouts, mc_continuation): rollout.context summarize cannot "
+                         "replay a prefix; use full, window or observation_masking")
     factory, env_name = env_factory(env, env_options)
     if factory is None and any(e.make_env is None for e in episodes):
         raise ValueError("run_prefixed_episodes: an episode without make_env needs env")
