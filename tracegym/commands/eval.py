@@ -16,7 +16,10 @@ episode, failed ones included; written as episodes end, then rewritten in task o
 ``turns.png``. Prints pass@1 and pass@k with 95% intervals, success rate and cost. With
 ``--injection-rate`` (docs/safety.md) the episodes of that fraction of the tasks carry a prompt
 injection in a tool result; eval.json and the printout add the attack success rate (``asr``) and
-the success rate of clean and injected episodes (``utility_clean``, ``utility_injected``).
+the success rate of clean and injected episodes (``utility_clean``, ``utility_injected``). With
+``--attempts N [--reflect]`` a failed episode is retried on its task, each attempt seeing the earlier
+ones' outcomes (and the model's reflections): eval.json's ``attempts`` has pass@(attempt a) for
+a = 1..N, ``attempts.jsonl`` the later attempts (docs/evaluation.md, "Attempts").
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature (default: 1.0 when --samples > 1, since pass@k needs diverse "
                              "samples; 0.0, greedy, when --samples is 1)")
+    parser.add_argument("--attempts", type=positive_int, default=1, metavar="N",
+                        help="test-time learning: a failed episode is retried on its task up to N attempts in all, "
+                             "each seeing the earlier attempts' outcomes; pass@(attempt) is reported next to pass@k "
+                             "(default 1: off)")
+    parser.add_argument("--reflect", action="store_true",
+                        help="with --attempts: the model writes a reflection on each failed attempt, shown to the next")
     parser.add_argument("--bootstrap", type=positive_int, default=1000,
                         help="bootstrap resamples over tasks for the 95%% intervals (default 1000)")
 
@@ -112,6 +121,15 @@ def run(args: argparse.Namespace) -> int:
     if temperature == 0.0 and args.samples > 1 and args.policy == "model":
         notes.append("greedy sampling (temperature 0) with several samples: the samples are (nearly) identical, "
                      "so pass@k for k > 1 is about pass@1")
+    if args.reflect and args.attempts < 2:
+        print_error("--reflect needs --attempts N with N >= 2 (a reflection is shown to the next attempt)")
+        return 2
+    if args.attempts > 1 and (args.strategy != "chains" or getattr(args, "injection_rate", None)):
+        print_error("--attempts runs the chains strategy without --injection-rate")
+        return 2
+    if args.reflect and args.policy == "expert":
+        print_error("--reflect needs a model: the scripted expert writes no reflection")
+        return 2
     try:
         check_env_args(args)  # an unknown env or option: one line, before anything loads
         injection = injection_settings(args)
@@ -131,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             env_options=env_options, policy_name=setup.policy_name, split=args.split, gap_model=setup.gap_model,
             bootstrap=args.bootstrap, progress=not args.no_progress, injection=injection,
             strategy=args.strategy, strategy_options=dict(args.strategy_option),
+            attempts=args.attempts, reflect=args.reflect,
             extra={
                 # "model" is what produced the episodes ("expert", the adapter folder or the model
                 # name, as in Trajectory.policy); the model the adapter was merged into is base_model.
@@ -196,6 +215,16 @@ def _print_summary(summary: dict, notes: list[str], written: dict) -> None:
     for turn in summary["turns"]:
         grid.add_row(str(turn), *[f"{summary['pass_at'][str(turn)][str(k)]:.3f}" for k in summary["ks"]])
     console.print(grid)
+    if "attempts" in summary:
+        tried = summary["attempts"]
+        rows = Table(title=f"pass@(attempt): {tried['chains']} chains, each retried after a failure up to "
+                           f"{tried['n']} attempts{' with reflection' if tried['reflect'] else ''}")
+        rows.add_column("attempt")
+        rows.add_column("played", justify="right")
+        rows.add_column("pass@(attempt) [95% CI]", justify="right")
+        for a, row in tried["pass_at_attempt"].items():
+            rows.add_row(a, str(tried["played"][a]), f"{row['value']:.3f} [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]")
+        console.print(rows)
     for note in notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print("wrote " + ", ".join(str(path) for path in written.values()))

@@ -59,13 +59,18 @@ def evaluate_to_dir(
     injection: InjectionConfig | None = None,
     strategy: str = "chains",
     strategy_options: Any = None,
+    attempts: int = 1,
+    reflect: bool = False,
 ) -> tuple[dict[str, Any], RolloutResult, dict[str, Path]]:
     """Run ``config.samples_per_task`` episodes per task and write ``out/eval.json``, the task-ordered
     ``trajectories.jsonl`` and the plots. Returns (summary, rollout result, written files).
     ``injection``: the episodes run in ``InjectionEnv`` around the env (eval.json then has ``asr``,
     ``utility_clean``, ``utility_injected``, ... and the settings under ``injection``). ``strategy``:
     the rollout strategy that samples the episodes (``tracegym.rollout.strategies``; chains only
-    on a team env)."""
+    on a team env). ``attempts`` > 1: a failed episode is followed by up to ``attempts - 1`` more on
+    its task that see the earlier outcomes (and, with ``reflect``, the model's reflection on each;
+    ``tracegym.rollout.attempts``): the first attempts are scored as usual, the later ones go to
+    ``attempts.jsonl`` and eval.json's ``attempts`` (pass@(attempt a) for a = 1..attempts)."""
     if config.max_turns < max(turns):
         raise ValueError(f"max_turns {config.max_turns} is below the largest turn budget {max(turns)}")
     out = Path(out)
@@ -80,6 +85,10 @@ def evaluate_to_dir(
         raise ValueError(f"prompt injections are not supported on the team env {env!r}")
     if team and strategy != "chains":
         raise ValueError(f"rollout strategy {strategy!r} is not supported on the team env {env!r} (chains only)")
+    if attempts > 1 and (team or strategy != "chains" or injection is not None):
+        raise ValueError("attempts > 1 runs single-agent chains without prompt injections (got "
+                         f"{'a team env' if team else 'strategy ' + repr(strategy) if strategy != 'chains' else 'injections'})")
+    tried = None
     # Streamed as episodes end (a crash keeps what ran), rewritten in task order by write_eval.
     with TrajectoryWriter(out / "trajectories.jsonl") as writer:
         if team:  # the same policy plays every role; one trajectory per role per episode
@@ -89,6 +98,16 @@ def evaluate_to_dir(
             result = run_team_rollouts_sync(env, tasks, policy, renderer, config, env_options=env_options,
                                             writer=writer, policy_name=policy_name or "policy")
             writer.write_all(result.failed)
+        elif attempts > 1:
+            import asyncio
+
+            from tracegym.rollout.attempts import run_attempts
+
+            tried = asyncio.run(run_attempts(env, tasks, policy, renderer, config, attempts, reflect=reflect,
+                                             env_options=env_options, policy_name=policy_name, progress=progress,
+                                             writer=writer))
+            assert tried.first is not None
+            result = tried.first
         else:
             source, options = env_source(env, env_options, injection)
             job = RolloutJob(source, tasks, policy, renderer, config, env_options=options, writer=writer,
@@ -122,6 +141,21 @@ def evaluate_to_dir(
                     # longest prompt, and the segments (fresh renderings) an episode became
                     **context_figures(result.trajectories)},
     })
+    if tried is not None:
+        summary["attempts"] = attempts_summary(tried, attempts, reflect, bootstrap)
+        with TrajectoryWriter(out / "attempts.jsonl") as later:
+            later.write_all([t for chain in tried.chains for t in chain[1:]])
     summary.update(extra or {})
     written = write_eval(out, summary, episodes, plots=plots)
     return summary, result, written
+
+
+def attempts_summary(tried: Any, attempts: int, reflect: bool, bootstrap: int) -> dict[str, Any]:
+    """eval.json's ``attempts``: pass@(attempt a) with CIs, attempts played, tokens, reflections."""
+    from tracegym.rollout.attempts import pass_at_attempts
+
+    return {"n": attempts, "reflect": reflect, "chains": len(tried.chains),
+            "pass_at_attempt": pass_at_attempts(tried.chains, attempts, bootstrap),
+            "played": {str(a): len(tried.attempts(a)) for a in range(1, attempts + 1)},
+            "generated_tokens": tried.generated_tokens, "reflection_tokens": tried.reflection_tokens,
+            "reflections": [text for chain in tried.reflections for text in chain][:20]}
