@@ -221,3 +221,34 @@ def test_check_env_passes():
     report = check_env(lambda: WebEnv(browser_timeout_s=10.0), n_tasks=3, raise_on_failure=False)
     assert report.failures == {} and report.expert_success_rate == 1.0
     assert "branching" in report.skipped
+
+
+def test_screenshots_land_in_the_turns_and_the_report(tmp_path):
+    from tracegym.data.store import TrajectoryWriter
+    from tracegym.eval.report import render_report
+    from tracegym.models import load_tokenizer
+    from tracegym.render import get_renderer
+    from tracegym.rollout import RolloutConfig, run_rollouts_sync
+
+    shots = tmp_path / "shots"
+    env_factory = lambda: WebEnv(browser_timeout_s=5.0, screenshots=str(shots))  # noqa: E731
+    tasks = WebEnv().tasks("test", 1)
+    renderer = get_renderer("tiny-random", load_tokenizer("tiny-random"))
+    result = run_rollouts_sync(env_factory, tasks, "expert", renderer,
+                               RolloutConfig(samples_per_task=2, max_turns=30, concurrency=2, max_context=None),
+                               progress=False)
+    assert result.stats.success_rate == 1.0 and len(result.trajectories) == 2
+    folders = set()
+    for trajectory in result.trajectories:
+        paths = [turn.artifacts["screenshot"] for turn in trajectory.turns]
+        assert [p.rsplit("/", 1)[1] for p in paths] == [f"turn-{n:02d}.jpg" for n in range(1, len(paths) + 1)]
+        assert all(open(p, "rb").read(3) == b"\xff\xd8\xff" for p in paths)  # JPEG
+        folders.add(paths[0].rsplit("/", 1)[0])
+    assert len(folders) == 2  # one folder per episode, even for two samples of one task
+    with TrajectoryWriter(tmp_path / "trajectories.jsonl") as writer:
+        writer.write_all(result.trajectories)
+    page = render_report(tmp_path, max_trajectories=2)
+    assert page.count('alt="page after turn 1"') == 2 and "data:image/jpeg;base64,/9j/" in page
+    gone = result.trajectories[0].turns[0].artifacts["screenshot"]
+    os.remove(gone)
+    assert "1 not found or not shown" in render_report(tmp_path, max_trajectories=2)

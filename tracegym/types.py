@@ -165,6 +165,8 @@ class StepResult(_Frozen):
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = Field(default_factory=dict)
+    """Numbers (metrics of the step), reward parts (``reward/<part>``), and ``artifacts``: a
+    ``{name: file path}`` of files written for this step, kept in ``Turn.artifacts``."""
 
     @property
     def reward_parts(self) -> dict[str, float]:
@@ -190,6 +192,9 @@ class Turn(_Frozen):
     env_messages: tuple[Message, ...] = ()  # what the env answered (tool results, user turns)
     reward: float = 0.0
     metrics: dict[str, float] = Field(default_factory=dict)
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    """Files the env wrote for this step, by name (``StepResult.info["artifacts"]``): e.g. the web
+    env's ``screenshot`` of the page after the action, which the HTML report shows with the turn."""
     kind: Literal["action", "summary"] = "action"
     """``action``: a turn the env was stepped with. ``summary``: a summary the model wrote of its own
     history (``rollout.context: summarize``); never sent to the env, reward 0, trained like any other

@@ -18,6 +18,10 @@ as an error (the run goes on). The envs of a process share one Chromium (each ep
 context of its own); the last env's ``close`` stops it and Playwright's driver and kills any of
 their processes still alive; each env's ``close`` stops its site's server. Branching is refused:
 the page lives in another process.
+
+With ``screenshots`` (a folder) every step also saves a JPEG of the page after the action, as
+``<folder>/<task id>-<episode>/turn-<n>.jpg``; its path rides in the step's ``info["artifacts"]``
+into ``Turn.artifacts["screenshot"]``, and ``tracegym report`` shows it with the turn.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import re
 import shutil
 import signal
 import threading
+import itertools
 import urllib.parse
 import weakref
+from pathlib import Path
 from typing import Any
 
 from tracegym.envs.base import Task
@@ -250,7 +256,7 @@ class WebEnv(ToolEnv):
 
     def __init__(self, families: list[str] | tuple[str, ...] | str | None = None, max_turns: int | None = None,
                  max_observation_chars: int = 3_000, browser_timeout_s: float = 20.0, chromium: str | None = None,
-                 max_tool_output_chars: int | None = None) -> None:
+                 max_tool_output_chars: int | None = None, screenshots: str | None = None) -> None:
         super().__init__(max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
         chosen = (families,) if isinstance(families, str) else tuple(families) if families is not None else FAMILIES
         unknown = [f for f in chosen if f not in FAMILIES]
@@ -262,6 +268,8 @@ class WebEnv(ToolEnv):
         self.max_observation_chars = int(max_observation_chars)
         self.browser_timeout_s = float(browser_timeout_s)
         self.chromium = chromium
+        self.screenshots = Path(screenshots) if screenshots else None  # a JPEG of every step's page
+        self.episode_dir: Path | None = None
         self.task: Task | None = None
         self.goal: dict[str, Any] = {}
         self.site: Site | None = None
@@ -424,6 +432,8 @@ class WebEnv(ToolEnv):
         self.expert_progress = 0
         await self._new_page(self.server.origin)
         page = await self._act(None, path=self.site.start_path())
+        if self.screenshots is not None:  # a folder per episode: one env plays many episodes of a task
+            self.episode_dir = self.screenshots / f"{task.id}-{os.getpid()}-{next(_EPISODES)}"
         return [Message(role="system", content=SYSTEM_PROMPT),
                 Message(role="user", content=f"{data['prompt']}\n\n{page}")]
 
@@ -431,7 +441,27 @@ class WebEnv(ToolEnv):
         result = await super().step(message, parse_errors)
         if self.fatal is not None:  # the browser, not the model: this episode fails, the run goes on
             raise WebEpisodeError(self.fatal)
+        if self.episode_dir is not None and self.page is not None:  # (ToolEnv.step counted the turn)
+            path = await self._screenshot(self.episode_dir / f"turn-{self.turn:02d}.jpg")
+            result = result.model_copy(update={"info": {**result.info, "artifacts": {"screenshot": str(path)}}})
         return result
+
+    async def _screenshot(self, path: Path) -> Path:
+        """A JPEG of the visible page, written atomically to ``path``."""
+        from tracegym.files import atomic_write_bytes
+
+        assert self.browser is not None
+        try:
+            data = await self.browser.call(self.page.screenshot(type="jpeg", quality=60), self.browser_timeout_s)
+        except asyncio.TimeoutError:
+            self.fatal = f"the page did not respond within {self.browser_timeout_s:g} s (screenshot)"
+            raise WebEpisodeError(self.fatal) from None
+        except Exception as exc:  # noqa: BLE001 - the browser's failure, not the model's
+            self.fatal = f"the screenshot failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
+            raise WebEpisodeError(self.fatal) from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+        return path
 
     def _advance(self, *signature: Any) -> None:
         if self.expert_progress < len(self.plan) and self.plan[self.expert_progress][:len(signature)] == signature:
@@ -574,6 +604,9 @@ class WebEnv(ToolEnv):
         if self.site is not None:
             self.site.close()
             self.site = None
+
+
+_EPISODES = itertools.count()  # numbers the episodes of this process (screenshot folders)
 
 
 def _call(name: str, arguments: dict[str, Any], index: int) -> Message:

@@ -205,6 +205,14 @@ def _close_env(env: Any, logger: logging.Logger = log) -> None:
         logger.warning("env.close() raised: %s", _describe(exc))
 
 
+def _artifacts(info: dict[str, Any]) -> dict[str, str]:
+    """``info["artifacts"]``'s ``{name: path}`` entries (anything else there is left out)."""
+    found = info.get("artifacts")
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): v for k, v in found.items() if isinstance(v, str)}
+
+
 def _numeric(info: dict[str, Any]) -> dict[str, float]:
     """The finite numeric entries of a step's info (bools as 0/1): what lands in ``metrics``."""
     out: dict[str, float] = {}
@@ -298,6 +306,7 @@ def _turn(action: Action, step: StepResult | None, reward: float, state_key: str
         env_messages=() if step is None else tuple(step.messages),
         reward=reward,
         metrics={} if step is None else _numeric(step.info),
+        artifacts=_artifacts(step.info) if step is not None else {},
         kind="summary" if step is None else "action",
         state_key=state_key,
     )

@@ -490,7 +490,32 @@ def token_view(trajectory: Trajectory, decode: Decode, max_tokens: int = _MAX_TO
     return Markup("").join(parts), stats
 
 
-def _trajectory_view(traj: Trajectory, decode: Decode | None) -> dict[str, Any]:
+_SCREENSHOTS_PER_TRAJECTORY = 12
+_MAX_SCREENSHOT_BYTES = 2 * 2**20
+_IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"}
+
+
+def screenshot_views(traj: Trajectory, root: Path) -> tuple[list[tuple[int, str]], int]:
+    """``([(turn number, data URI)], missing)``: the screenshots in the episode's ``Turn.artifacts``
+    (the web env's ``screenshots`` option), inlined so the page loads nothing; a path is read as
+    written, else relative to the run folder. Files gone, too large or not an image are counted in
+    ``missing``; at most ``_SCREENSHOTS_PER_TRAJECTORY`` are inlined."""
+    shown, missing = [], 0
+    actions = [t for t in traj.turns if t.kind == "action"]
+    for number, turn in enumerate(actions, start=1):
+        written = turn.artifacts.get("screenshot")
+        if written is None:
+            continue
+        path = next((p for p in (Path(written), root / written) if p.is_file()), None)
+        kind = _IMAGE_TYPES.get(Path(written).suffix.lower())
+        if path is None or kind is None or path.stat().st_size > _MAX_SCREENSHOT_BYTES:
+            missing += 1
+        elif len(shown) < _SCREENSHOTS_PER_TRAJECTORY:
+            shown.append((number, f"data:{kind};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"))
+    return shown, missing
+
+
+def _trajectory_view(traj: Trajectory, decode: Decode | None, root: Path | None = None) -> dict[str, Any]:
     view: dict[str, Any] = {
         "task_id": traj.task_id,
         "sample_index": traj.sample_index,
@@ -510,6 +535,7 @@ def _trajectory_view(traj: Trajectory, decode: Decode | None) -> dict[str, Any]:
         "tokens_html": None,
         "token_stats": None,
     }
+    view["screenshots"], view["screenshots_missing"] = screenshot_views(traj, root or Path.cwd())
     if decode is not None and traj.turns:
         view["tokens_html"], view["token_stats"] = token_view(traj, decode)
     return view
@@ -531,7 +557,7 @@ def _trajectory_section(files: RunFiles, root: Path, per_file: int, decode: Deco
             "solved": sum(t.success for t in trajectories),
             "bad": bad,
             "capped": len(trajectories) >= scan_limit,
-            "items": [_trajectory_view(t, decode) for t in sample],
+            "items": [_trajectory_view(t, decode, root) for t in sample],
         })
     return out
 
