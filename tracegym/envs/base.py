@@ -231,3 +231,44 @@ class Env(ABC):
 
     def close(self) -> None:
         """Release per-episode resources."""
+
+
+class EnvWrapper(Env):
+    """An env around ``inner`` that hands it everything it does not change itself: tasks, tools,
+    reset, step, the expert, the state key, the turn limit and close. It names the env it wraps
+    (trajectories name the env the agent acts in). Subclasses override what they add: the memory
+    tools, prompt injections, the feedback of earlier attempts."""
+
+    def __init__(self, inner: Env, description: str | None = None):
+        if not isinstance(inner, Env):
+            raise TypeError(f"{type(self).__name__} wraps a tracegym Env, got {type(inner).__name__}")
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.description = inner.description if description is None else description  # type: ignore[misc]
+        self.reward_range = inner.reward_range  # type: ignore[misc]
+
+    @property
+    def max_turns(self) -> int | None:
+        """The inner env's turn limit (None when it states none)."""
+        return getattr(self.inner, "max_turns", None)
+
+    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
+        return self.inner.tasks(split, n, seed)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    async def reset(self, task: Task) -> list[Message]:
+        return await self.inner.reset(task)
+
+    async def step(self, message: Message, parse_errors: Sequence[str] = ()) -> StepResult:
+        return await self.inner.step(message, parse_errors)
+
+    def expert_action(self) -> Message:
+        return self.inner.expert_action()
+
+    def state_key(self) -> str | None:
+        return self.inner.state_key()
+
+    def close(self) -> None:
+        self.inner.close()

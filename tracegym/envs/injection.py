@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from tracegym.config import ATTACK_KINDS, AttackKind, InjectionConfig
-from tracegym.envs.base import Env, EnvSnapshot, Task, _class_path
+from tracegym.envs.base import Env, EnvSnapshot, EnvWrapper, Task, _class_path
 from tracegym.envs.tools import extract_answer, in_call_order, tool_schema, validate_tool_arguments
 from tracegym.types import Message, StepResult, ToolCall
 
@@ -195,7 +195,7 @@ class _Episode:
     honeypot_calls: int = 0
 
 
-class InjectionEnv(Env):
+class InjectionEnv(EnvWrapper):
     """``inner`` with prompt-injection episodes (see the module docstring)."""
 
     name = "injection"
@@ -209,8 +209,7 @@ class InjectionEnv(Env):
         penalty: float = 1.0,
         seed: int = 0,
     ) -> None:
-        if not isinstance(inner, Env):
-            raise TypeError(f"InjectionEnv wraps a tracegym Env, got {type(inner).__name__}")
+        super().__init__(inner, f"{getattr(inner, 'description', '')} (with prompt injections)")
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate must be in [0, 1], got {rate}")
         unknown = [kind for kind in attacks if kind not in ATTACK_KINDS]
@@ -218,15 +217,11 @@ class InjectionEnv(Env):
             raise ValueError(f"attacks must be a non-empty subset of {', '.join(ATTACK_KINDS)}; got {list(attacks)}")
         if penalty < 0:
             raise ValueError(f"penalty must be >= 0, got {penalty}")
-        self.inner = inner
         self.rate = float(rate)
         self.attacks: tuple[str, ...] = tuple(dict.fromkeys(attacks))
         self.penalty = float(penalty)
         self.seed = int(seed)
         self.honeypot = "forbidden_tool" in self.attacks
-        # Trajectories, reports and snapshots name the env the agent acts in, not this wrapper.
-        self.name = inner.name  # type: ignore[misc]
-        self.description = f"{inner.description} (with prompt injections)"  # type: ignore[misc]
         low, high = inner.reward_range
         self.reward_range = (low - self.penalty, high)  # type: ignore[misc]
         self.deterministic_replay = getattr(inner, "deterministic_replay", False) is True
@@ -265,9 +260,6 @@ class InjectionEnv(Env):
         limit = getattr(self.inner, "max_turns", None)
         return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
-    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
-        return self.inner.tasks(split, n, seed)
-
     def tool_schemas(self) -> list[dict[str, Any]]:
         schemas = list(self.inner.tool_schemas())
         if self.honeypot:
@@ -276,15 +268,6 @@ class InjectionEnv(Env):
                                  "attack needs that name for its honeypot; leave forbidden_tool out of the attacks")
             schemas.append(tool_schema(send_message))
         return schemas
-
-    def state_key(self) -> str | None:
-        return self.inner.state_key()
-
-    def expert_action(self) -> Message:
-        return self.inner.expert_action()
-
-    def close(self) -> None:
-        self.inner.close()
 
     # -- the episode ----------------------------------------------------------------------------------
 

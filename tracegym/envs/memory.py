@@ -24,7 +24,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tracegym.envs.base import Env, Task
+from tracegym.envs.base import Env, EnvWrapper, Task
 from tracegym.envs.tools import in_call_order
 from tracegym.types import Message, StepResult, ToolCall
 
@@ -125,43 +125,25 @@ _SCHEMAS = [
 ]
 
 
-class MemoryEnv(Env):
+class MemoryEnv(EnvWrapper):
     """``inner`` with the ``remember``/``recall`` tools (see the module docstring)."""
 
     def __init__(self, inner: Env, config: MemoryConfig):
         clash = [s["function"]["name"] for s in inner.tool_schemas() if s["function"]["name"] in MEMORY_TOOLS]
         if clash:
             raise ValueError(f"env {inner.name!r} already has a tool named {clash[0]!r}: it cannot take the memory option")
-        self.inner, self.config = inner, config
+        super().__init__(inner, f"{inner.description} (with memory)")
+        self.config = config
         self.store = memory_store(config.store)
-        self.name = inner.name  # type: ignore[misc]  (trajectories name the env the agent acts in)
-        self.description = f"{inner.description} (with memory)"  # type: ignore[misc]
-        self.reward_range = inner.reward_range  # type: ignore[misc]
         self.task: Task | None = None
         self.turn = 0
         self.counters = {"remembered": 0, "recalled": 0}
 
-    @property
-    def max_turns(self) -> int | None:
-        return getattr(self.inner, "max_turns", None)
-
-    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
-        return self.inner.tasks(split, n, seed)
-
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [*self.inner.tool_schemas(), *_SCHEMAS]
 
-    def state_key(self) -> str | None:
-        return self.inner.state_key()
-
-    def expert_action(self) -> Message:
-        return self.inner.expert_action()
-
     def branch_refusal(self) -> str | None:
         return "its memory store is shared by every episode of the run"
-
-    def close(self) -> None:
-        self.inner.close()
 
     def _scope(self) -> str:
         assert self.task is not None

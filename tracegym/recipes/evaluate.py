@@ -126,7 +126,20 @@ def evaluate_to_dir(
     summary = summarize(scored, ks=list(ks), turns=list(turns), env=env,
                         model=policy_name or (scored[0].policy if scored else None),
                         split=split, n_bootstrap=bootstrap)
-    summary.update({
+    summary.update(run_settings(config, strategy, result, env_options, injection))
+    if tried is not None:
+        summary["attempts"] = attempts_summary(tried, attempts, reflect, bootstrap)
+        with TrajectoryWriter(out / "attempts.jsonl") as later:
+            later.write_all([t for chain in tried.chains for t in chain[1:]])
+    summary.update(extra or {})
+    written = write_eval(out, summary, episodes, plots=plots)
+    return summary, result, written
+
+
+def run_settings(config: RolloutConfig, strategy: str, result: RolloutResult, env_options: dict[str, Any] | None,
+                 injection: InjectionConfig | None) -> dict[str, Any]:
+    """eval.json's record of how the episodes ran: env options, injections, sampling, rollout figures."""
+    return {
         "env_options": dict(env_options or {}),
         **({"injection": injection.model_dump(mode="json")} if injection is not None else {}),
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
@@ -140,14 +153,7 @@ def evaluate_to_dir(
                     # what prompts cost under the context policy: the mean prompt length of a turn, the
                     # longest prompt, and the segments (fresh renderings) an episode became
                     **context_figures(result.trajectories)},
-    })
-    if tried is not None:
-        summary["attempts"] = attempts_summary(tried, attempts, reflect, bootstrap)
-        with TrajectoryWriter(out / "attempts.jsonl") as later:
-            later.write_all([t for chain in tried.chains for t in chain[1:]])
-    summary.update(extra or {})
-    written = write_eval(out, summary, episodes, plots=plots)
-    return summary, result, written
+    }
 
 
 def attempts_summary(tried: Any, attempts: int, reflect: bool, bootstrap: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tracegym.envs.base import Env, StepResult, Task
+from tracegym.envs.base import EnvWrapper, Task
 from tracegym.rollout.runner import RolloutConfig, RolloutResult, env_factory, run_rollouts
 from tracegym.types import Message, SamplingParams, Trajectory
 
@@ -59,37 +59,12 @@ def outcome_text(trajectory: Trajectory, attempt: int, reflection: str | None = 
     return text + (f"\nYour reflection on attempt {attempt}: {reflection.strip()}" if reflection else "")
 
 
-class FeedbackEnv(Env):
+class FeedbackEnv(EnvWrapper):
     """``inner`` whose opening user message ends with ``task.data[FEEDBACK_KEY]`` (the earlier
     attempts' outcomes); the inner env gets the task without that key and does everything else."""
 
-    def __init__(self, inner: Env):
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
-        self.description = inner.description  # type: ignore[misc]
-        self.reward_range = inner.reward_range  # type: ignore[misc]
-
-    @property
-    def max_turns(self) -> int | None:
-        return getattr(self.inner, "max_turns", None)
-
-    def tasks(self, split: str = "train", n: int = 100, seed: int = 0) -> list[Task]:
-        return self.inner.tasks(split, n, seed)
-
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        return self.inner.tool_schemas()
-
-    def state_key(self) -> str | None:
-        return self.inner.state_key()
-
-    def expert_action(self) -> Message:
-        return self.inner.expert_action()
-
     def branch_refusal(self) -> str | None:
         return "a later attempt's prompt carries the earlier attempts' outcomes"
-
-    def close(self) -> None:
-        self.inner.close()
 
     async def reset(self, task: Task) -> list[Message]:
         feedback = task.data.get(FEEDBACK_KEY)
@@ -105,9 +80,6 @@ class FeedbackEnv(Env):
         else:
             messages.append(Message(role="user", content=note))
         return messages
-
-    async def step(self, message: Message, parse_errors: Sequence[str] = ()) -> StepResult:
-        return await self.inner.step(message, parse_errors)
 
 
 @dataclass
