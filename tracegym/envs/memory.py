@@ -13,6 +13,10 @@ shop's notes never reach a booking task.
 ``train``): what test episodes write is kept, tagged ``test``, and never returned, to a training
 episode or to another test episode, unless ``read_test_writes: true`` (test-time learning across
 attempts, on purpose). Branching is refused: the store is shared by every episode of the run.
+
+An inner env whose scripted expert plans memory calls (``vault``) defines ``on_memory_calls(names)``:
+the wrapper calls it with the names of the memory calls it answered, since they never reach the
+inner env's ``step``.
 """
 
 from __future__ import annotations
@@ -187,6 +191,9 @@ class MemoryEnv(EnvWrapper):
         self.turn += 1
         mine = [c for c in message.tool_calls if c.name in MEMORY_TOOLS]
         answers = [self._answer(c) for c in mine]
+        notify = getattr(self.inner, "on_memory_calls", None)
+        if mine and callable(notify):  # an inner env whose expert plans memory calls tracks them (vault)
+            notify([c.name for c in mine])
         if mine and len(mine) == len(message.tool_calls) and not parse_errors:
             # only memory calls: the inner env has nothing to do (and must not read this as a final answer)
             limit = self.max_turns

@@ -62,6 +62,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "search": "tracegym.environments.search:SearchEnv",
     "service": "tracegym.environments.service:ServiceEnv",
     "terminal": "tracegym.environments.terminal:TerminalEnv",
+    "vault": "tracegym.environments.vault:VaultEnv",
     "web": "tracegym.environments.web:WebEnv",
 }
 
