@@ -37,15 +37,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse", action="store_true",
+                        help="OUT already holds the expert's store and the SFT adapter: evaluate only")
     args = parser.parse_args()
 
     from tracegym.config import LoraConfig, ModelConfig, OptimConfig, SFTConfig
     from tracegym.data.store import TrajectoryWriter
-    from tracegym.engines import make_engine
     from tracegym.envs import make
-    from tracegym.eval.metrics import paired_bootstrap_diff
     from tracegym.models import load_tokenizer
-    from tracegym.recipes.evaluate import evaluate_to_dir
     from tracegym.recipes.sft import train_sft
     from tracegym.render import get_renderer
     from tracegym.rollout import RolloutConfig, run_rollouts_sync
@@ -54,9 +53,15 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     store = out / "memory.jsonl"
-    store.unlink(missing_ok=True)
     renderer = get_renderer(args.model, load_tokenizer(args.model))
     probe = make("vault", families=args.families)
+    adapter = out / "sft" / "final"
+    if args.reuse:
+        if not (store.is_file() and (adapter / "adapter_config.json").is_file()):
+            raise SystemExit(f"--reuse: {out} lacks memory.jsonl or sft/final")
+        evaluate(args, out, store, adapter, renderer, probe, started, expert_success=None)
+        return
+    store.unlink(missing_ok=True)
 
     # 1. the memory expert on the train visits, one at a time (a visit reads the notes of those before)
     train_tasks = probe.tasks("train", args.train_tasks, args.seed)
@@ -78,12 +83,23 @@ def main() -> None:
         checkpoint={"every": 0, "keep_last": 1}, logging={"tensorboard": False, "progress": False},
     ))
     print(f"SFT: {args.sft_steps} steps in {(time.perf_counter() - started) / 60:.1f} min (since start)", flush=True)
+    evaluate(args, out, store, sft.final_dir, renderer, probe, started, expert.stats.success_rate)
 
+
+def evaluate(args: argparse.Namespace, out: Path, store: Path, adapter: Path, renderer, probe, started: float,
+             expert_success: float | None) -> None:
+    """Step 3: the SFT model on the same test visits with and without memory; prints and writes the table."""
+    from tracegym.engines import make_engine
+    from tracegym.eval.metrics import paired_bootstrap_diff
+    from tracegym.recipes.evaluate import evaluate_to_dir
+    from tracegym.rollout import RolloutConfig
+
+    notes = sum(1 for _ in store.open(encoding="utf-8"))
     # 3. the same test visits with and without memory (a copy of the train store per evaluation)
     test_tasks = probe.tasks("test", args.test_tasks, args.seed)
     config = RolloutConfig(max_turns=4, max_tokens_per_turn=48, temperature=args.temperature,
                            samples_per_task=args.samples, seed=args.seed + 12345, concurrency=64)
-    engine = make_engine("hf", model=str(sft.final_dir), renderer=renderer, max_batch_size=64)
+    engine = make_engine("hf", model=str(adapter), renderer=renderer, max_batch_size=64)
     summaries = {}
     for label, memory in (("with memory", True), ("without memory", False)):
         folder = out / ("eval_memory" if memory else "eval_no_memory")
@@ -105,7 +121,7 @@ def main() -> None:
     chance = 1.0 / probe.candidates
     print(f"with - without memory: {diff:+.3f} [{low:+.3f}, {high:+.3f}] paired over {paired} test tasks "
           f"(a guess among {probe.candidates} candidates: {chance:.3f})")
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "expert_success": expert.stats.success_rate,
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "expert_success": expert_success,
               "notes": notes, "pass@1": {k: s["pass_at"]["4"]["1"] for k, s in summaries.items()},
               "pass@1_ci": {k: s["pass_at_ci"]["4"]["1"] for k, s in summaries.items()},
               "diff": diff, "diff_ci": [low, high], "paired_tasks": paired, "chance": chance,
