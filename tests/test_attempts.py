@@ -143,3 +143,17 @@ def test_expert_attempts_stop_at_the_first_success(renderer, tmp_path):
     assert summary["attempts"]["played"] == {"1": 3, "2": 0, "3": 0}
     assert summary["attempts"]["pass_at_attempt"]["1"]["value"] == 1.0
     assert (out / "attempts.jsonl").read_text() == ""
+
+
+def test_a_transcript_too_long_for_the_context_gets_no_reflection(renderer):
+    from tracegym.rollout.attempts import _reflections
+    from tracegym.types import SamplingParams
+
+    tasks = _tasks(1)
+    engine = Learner(renderer, {t.data["question"]: t.data["answer"] for t in tasks})
+    config = RolloutConfig(samples_per_task=1, max_turns=2, max_context=None)
+    tried = asyncio.run(run_attempts("calculator", tasks, engine, renderer, config, 1, env_options={"num_calls": 1}))
+    failed = [tried.chains[0][0]]
+    params = SamplingParams(max_tokens=16, stop_token_ids=tuple(renderer.stop_token_ids))
+    assert _reflections(engine, renderer, failed, params, None)[0] == [Learner.LESSON]
+    assert _reflections(engine, renderer, failed, params, 20) == ([""], 0)  # the prompt alone is longer

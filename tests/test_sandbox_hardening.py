@@ -603,8 +603,8 @@ def _hold_command(count: int, mb: int, seconds: float, shm_mb: int) -> str:
 def _hold_at_once_command(count: int, mb: int, shm_mb: int) -> str:
     """``count`` holders of ``mb`` each started together after ``shm_mb`` written to /dev/shm, each
     holding until released. Once every one has either touched all its pages or died, prints
-    ``at_once N settled M``: how many are alive and holding at that one moment (a killed holder,
-    reaped or a zombie, does not count), then releases them. On a loaded machine the holders may
+    ``at_once N settled M``: how many are alive and holding 0.3 s after that moment (a killed holder,
+    reaped or a zombie, does not count; the pause lets a kill in flight land), then releases them. On a loaded machine the holders may
     run one after another, and the OOM killer may take one that already held to make room for
     the next, so how many ever printed "holding" says nothing about how many held together."""
     return textwrap.dedent(f"""\
@@ -619,6 +619,13 @@ def _hold_at_once_command(count: int, mb: int, shm_mb: int) -> str:
             if [ "$state" = Z ]; then settled=$((settled + 1))
             elif [ -e held.$p ]; then settled=$((settled + 1)); at_once=$((at_once + 1)); fi
           done
+        done
+        # a holder the OOM killer has picked may not be a zombie yet at that poll: count again
+        # once the kills in flight have landed (a live holder holds until released)
+        sleep 0.3; at_once=0
+        for p in $pids; do
+          state=Z; {{ read -r _ _ state _ < /proc/$p/stat; }} 2>/dev/null
+          if [ "$state" != Z ] && [ -e held.$p ]; then at_once=$((at_once + 1)); fi
         done
         echo "at_once $at_once settled $settled"
         touch release; wait; echo finished""")

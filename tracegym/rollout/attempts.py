@@ -98,13 +98,18 @@ class AttemptsResult:
         return [c[a - 1] for c in self.chains if len(c) >= a]
 
 
-def _reflections(policy: Any, renderer: Any, failed: Sequence[Trajectory], params: SamplingParams) -> tuple[list[str], int]:
-    """One reflection per failed attempt, sampled in one call: the transcript plus ``REFLECT_REQUEST``."""
+def _reflections(policy: Any, renderer: Any, failed: Sequence[Trajectory], params: SamplingParams,
+                 max_context: int | None) -> tuple[list[str], int]:
+    """One reflection per failed attempt, sampled in one call: the transcript plus ``REFLECT_REQUEST``.
+    A transcript too long for ``max_context`` with the reflection's tokens gets none ("")."""
     conversations = [list(t.messages) + [Message(role="user", content=REFLECT_REQUEST)] for t in failed]
     if hasattr(policy, "generate"):
         prompts = [renderer.render_prompt(c, list(t.tools) or None) for c, t in zip(conversations, failed)]
-        outputs = policy.generate(prompts, params)
-        texts = [renderer.parse_completion(list(out[0].token_ids)).message.content for out in outputs]
+        fits = [i for i, p in enumerate(prompts) if max_context is None or len(p) + params.max_tokens <= max_context]
+        outputs = policy.generate([prompts[i] for i in fits], params) if fits else []
+        texts = [""] * len(prompts)
+        for i, out in zip(fits, outputs):
+            texts[i] = renderer.parse_completion(list(out[0].token_ids)).message.content
         return texts, sum(len(out[0].token_ids) for out in outputs)
     if hasattr(policy, "chat"):
         return [policy.chat(c, list(t.tools) or None, params).content for c, t in zip(conversations, failed)], 0
@@ -150,7 +155,8 @@ async def run_attempts(
             break
         if reflect:
             texts, used = await asyncio.to_thread(_reflections, policy, renderer, [chains[i][-1] for i in open_chains],
-                                                  params.model_copy(update={"seed": config.seed + 104729 * a}))
+                                                  params.model_copy(update={"seed": config.seed + 104729 * a}),
+                                                  config.max_context)
             reflection_tokens += used
             for i, text in zip(open_chains, texts):
                 reflections[i].append(text)

@@ -499,7 +499,8 @@ class RenderedPolicy:
         shown = apply_context(obs.messages, context) + [request]
         try:
             if self.prompt is not None and not rewrites_history(obs.messages, context):
-                prompt = list(runner.renderer.continue_prompt(self.prompt, self.completion, list(obs.new_messages) + [request]))
+                new = list(obs.new_messages) + [request]
+                prompt = list(runner.renderer.continue_prompt(self.prompt, self.completion, new))
             else:
                 prompt = list(runner.renderer.render_prompt(shown, list(obs.tools) or None))
         except Exception as exc:  # noqa: BLE001
@@ -507,10 +508,12 @@ class RenderedPolicy:
         budget = self._budget(prompt, context.max_summary_tokens, obs)
         if runner.mode == "expert":  # scripted: the calls so far
             message = Message(role="assistant", content=expert_summary(obs.messages, context))
-            action = Action(message=message, tokens=TokenData(prompt, tuple(runner.renderer.encode_completion(message)), None, "stop"))
+            completion = tuple(runner.renderer.encode_completion(message))
+            action = Action(message=message, tokens=TokenData(prompt, completion, None, "stop"))
         else:
             # its own seed key (turn -1 - t), so the summary and the action after it draw different samples
-            action = await self._complete(prompt, budget, replace(obs, messages=tuple(shown)), shown, seed_turn=-1 - obs.turn)
+            action = await self._complete(prompt, budget, replace(obs, messages=tuple(shown)), shown,
+                                          seed_turn=-1 - obs.turn)
         assert action.tokens is not None
         self.prompt, self.completion = prompt, list(action.tokens.completion_ids)
         return replace(action, summary_request=request)
@@ -524,7 +527,8 @@ class RenderedPolicy:
             shown = apply_context(obs.messages, runner.config.context)
         if runner.mode == "token":
             assert runner.batcher is not None
-            gen = await runner.batcher.generate(prompt, budget, self.adapter, seed_key=(self.episode_index, obs.turn if seed_turn is None else seed_turn))
+            turn = obs.turn if seed_turn is None else seed_turn
+            gen = await runner.batcher.generate(prompt, budget, self.adapter, seed_key=(self.episode_index, turn))
             try:
                 parsed = runner.renderer.parse_completion(gen.token_ids)
             except Exception as exc:  # noqa: BLE001
