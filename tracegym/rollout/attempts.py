@@ -125,7 +125,7 @@ async def run_attempts(
     attempts: int,
     *,
     reflect: bool = False,
-    reflect_tokens: int = 128,
+    reflect_tokens: int = 64,
     env_options: dict[str, Any] | None = None,
     policy_name: str | None = None,
     progress: bool = False,
