@@ -523,8 +523,6 @@ class RenderedPolicy:
         """One completion of ``prompt``; message-level engines get ``shown`` (default: the context
         policy's view of ``obs.messages``)."""
         runner = self.runner
-        if shown is None:
-            shown = apply_context(obs.messages, runner.config.context)
         if runner.mode == "token":
             assert runner.batcher is not None
             turn = obs.turn if seed_turn is None else seed_turn
@@ -545,6 +543,8 @@ class RenderedPolicy:
         else:
             params = runner.params.model_copy(update={"max_tokens": budget})
             tools = list(obs.tools) or None
+            if shown is None:  # only a message-level engine reads the messages
+                shown = apply_context(obs.messages, runner.config.context)
             # chat_with_errors (when the engine has it) also reports malformed tool calls
             call = getattr(runner.policy, "chat_with_errors", None)
             try:
