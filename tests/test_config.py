@@ -180,8 +180,10 @@ def test_every_example_config_loads():
     for env in ("calculator", "search", "gridworld", "service"):
         assert f"sft_{env}.yaml" in names and f"rl_{env}.yaml" in names
     for file in files:
+        from tracegym.recipes.demo import DemoConfig
+
         classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig,
-                   "synthesize": SynthesizeConfig}
+                   "synthesize": SynthesizeConfig, "demo": DemoConfig}
         prefix = file.name.split("_", 1)[0]
         assert prefix in classes, file.name
         cls = classes[prefix]

@@ -7,8 +7,8 @@ from tracegym.cli import main
 
 TINY = [
     "model=tiny-random", "expert_tasks=8", "test_tasks=3", "eval_samples=2", "eval_ks=[1,2]", "eval_turns=[1,2]",
-    "sft_steps=2", "sft_batch_size=4", "rl_steps=2", "rl_tasks_per_step=2", "rl_group_size=2",
-    "max_tokens_per_turn=8", "progress=false",
+    "sft_steps=2", "sft_batch_size=4", "sft_micro_batch_size=2", "rl_steps=2", "rl_tasks_per_step=2", "rl_group_size=2",
+    "max_tokens_per_turn=8", "progress=false", "env_options={num_calls: 1}", "sft_env_options={num_calls: 1}",
 ]
 
 
@@ -40,6 +40,8 @@ def test_demo_runs_every_stage_and_writes_the_outputs(tmp_path, capsys):
 def test_demo_rejects_a_bad_key(capsys):
     assert main(["demo", "rl_step=3"]) == 2
     assert "rl_steps" in capsys.readouterr().err
+    assert main(["demo", "sft_batch_size=6"]) == 2  # the default 8 rows a pass do not divide it
+    assert "sft_micro_batch_size" in capsys.readouterr().err
 
 
 def test_the_rl_stage_takes_the_demo_settings():
@@ -50,7 +52,7 @@ def test_the_rl_stage_takes_the_demo_settings():
     rl = rl_stage_config(demo, "runs/x/train_sft/final", "runs/x/train_rl")
     assert (rl.optim.lr, rl.optim.warmup_steps, rl.optim.schedule) == (1e-4, 2, "constant")
     assert (rl.steps, rl.tasks_per_step, rl.group_size, rl.tasks.train) == (5, 3, 4, 15)
-    assert rl.model.adapter == "runs/x/train_sft/final" and rl.env.options == {"num_calls": 3}
+    assert rl.model.adapter == "runs/x/train_sft/final" and rl.env.options["num_calls"] == 3
     assert rl.rollout.max_turns == 5 and rl.output_dir == "runs/x/train_rl"
     # the strong-start settings (bench/strong_start.py): the RL rate derived from the SFT rate and
     # the batch, guidance, the calculator's calls part, a trust region, one temperature pair
@@ -67,8 +69,23 @@ def test_the_rl_stage_takes_the_demo_settings():
                                                                             "policy_gradient": True}
     assert holds.env.options["reward_parts"] == {"answer": 1.0, "calls": 0.3}
     assert holds.rollout.temperature == holds.eval.temperature == DemoConfig().temperature
-    # the one-call main job keeps the settings its README block was measured with
+    # the main job is the many-step one, with the strong start's RL settings (bench/strong_start.py)
     main_job = rl_stage_config(DemoConfig(), "a", "b")
-    assert (main_job.optim.lr, main_job.guidance, main_job.max_policy_drift, main_job.expert_replay) == (2e-4, None, None, None)
+    assert main_job.env.options == {"num_calls": 3, "reward_parts": {"answer": 1.0, "calls": 0.3}}
+    assert (main_job.optim.lr, main_job.optim.warmup_steps, main_job.max_policy_drift) == (3e-4 / 8 * (48 / 64) ** 0.5, 2, 0.02)
+    assert main_job.guidance is not None and main_job.expert_replay is not None and main_job.expert_replay.coef == 1.0
+    assert (main_job.tasks_per_step, main_job.group_size, main_job.steps, main_job.model.autocast) == (8, 6, 10, "auto")
     assert main_job.policy_loss["kl_coef"] == 0.0
-    assert "reward_parts" not in main_job.env.options
+
+
+def test_the_one_call_config_keeps_the_settings_its_block_was_measured_with():
+    from pathlib import Path
+
+    from tracegym.config import load_config
+    from tracegym.recipes.demo import DemoConfig, rl_stage_config
+
+    one_call = load_config(DemoConfig, path=Path(__file__).parent.parent / "examples" / "demo_one_call.yaml")
+    rl = rl_stage_config(one_call, "a", "b")
+    assert (rl.optim.lr, rl.guidance, rl.max_policy_drift, rl.expert_replay, rl.model.autocast) == (2e-4, None, None, None, "none")
+    assert rl.env.options == {"num_calls": 1} and (one_call.sft_steps, one_call.test_tasks, one_call.eval_samples) == (16, 40, 4)
+    assert one_call.micro_batch_size == one_call.sft_micro_batch_size == 1

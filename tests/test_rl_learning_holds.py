@@ -222,4 +222,4 @@ def test_replay_only_is_the_demo_control_of_replay():
     control = rl_stage_config(DemoConfig(rl_expert_replay=1.0, rl_replay_only=True), "a", "b")
     assert control.expert_replay is not None and control.expert_replay.policy_gradient is False
     with pytest.raises(ValueError, match="rl_replay_only: set rl_expert_replay"):
-        DemoConfig(rl_replay_only=True)
+        DemoConfig(rl_replay_only=True, rl_expert_replay=0.0)

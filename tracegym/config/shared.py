@@ -29,6 +29,12 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
 
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
+    """Mixed precision for the training forward passes: ``bfloat16`` runs their matmuls in bfloat16
+    (weights, gradients, optimizer and losses stay in ``dtype``); ``auto`` does so only where the
+    device computes bfloat16 natively (AMX / AVX512-BF16 CPUs, CUDA). Rollouts are not affected; RL
+    re-scores the old policy with the trainer so the PPO ratio starts at 1 (tracegym/train/precision.py)."""
+
 
 class LoraConfig(_Section):
     enabled: bool = True

@@ -25,7 +25,9 @@ from tracegym.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, SFTC
 
 
 class DemoConfig(_Section):
-    """What the demo runs. Defaults are sized for a 2-core CPU (about 20 minutes in all)."""
+    """What the demo runs: by default the many-step job (3 dependent calculator calls and an answer,
+    4 turns), with the RL settings that hold a strong start (``bench/strong_start.py``); the one-call
+    job of earlier rounds is ``examples/demo_one_call.yaml``."""
 
     plugins: list[str] = Field(default_factory=list)
     """Python modules imported before this config is validated (a module name, or a ``.py`` path
@@ -37,22 +39,22 @@ class DemoConfig(_Section):
     env: str = "calculator"
     """Environment of every stage."""
 
-    env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 1})
+    env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 3})
     """Options of the environment for RL and every evaluation (the task family the agent is scored on)."""
 
-    sft_env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": [1, 2]})
+    sft_env_options: dict[str, Any] = Field(default_factory=lambda: {"num_calls": 3})
     """Options of the environment for the expert data that SFT trains on."""
 
-    expert_tasks: int = Field(128, gt=0)
+    expert_tasks: int = Field(512, gt=0)
     """Train tasks the scripted expert solves to make the SFT data."""
 
-    test_tasks: int = Field(40, gt=0)
+    test_tasks: int = Field(200, gt=0)
     """Held-out test tasks of every evaluation."""
 
-    eval_samples: int = Field(4, gt=0)
+    eval_samples: int = Field(2, gt=0)
     """Samples n per test task (pass@k for k <= n)."""
 
-    eval_ks: list[int] = Field(default_factory=lambda: [1, 2, 4])
+    eval_ks: list[int] = Field(default_factory=lambda: [1, 2])
     """Sampling budgets k of pass@k."""
 
     eval_turns: list[int] = Field(default_factory=lambda: [1, 2, 3, 4])
@@ -64,7 +66,7 @@ class DemoConfig(_Section):
     max_tokens_per_turn: int = Field(48, gt=0)
     """Token limit of one assistant turn (a tool call takes about 30)."""
 
-    sft_steps: int = Field(16, gt=0)
+    sft_steps: int = Field(96, gt=0)
     """SFT optimizer steps."""
 
     sft_batch_size: int = Field(8, gt=0)
@@ -73,28 +75,28 @@ class DemoConfig(_Section):
     sft_lr: float = Field(3e-4, gt=0)
     """SFT learning rate (LoRA)."""
 
-    rl_steps: int = Field(8, gt=0)
+    rl_steps: int = Field(10, gt=0)
     """RL optimizer steps."""
 
-    rl_tasks_per_step: int = Field(4, gt=0)
+    rl_tasks_per_step: int = Field(8, gt=0)
     """Distinct train tasks per RL step."""
 
     rl_group_size: int = Field(6, gt=0)
     """Samples per task in an RL group (GRPO's group)."""
 
-    rl_lr: float | None = Field(2e-4, gt=0)
+    rl_lr: float | None = Field(None, gt=0)
     """RL learning rate (LoRA). None: derived from ``sft_lr`` and the episodes per step by
     ``tracegym.train.optim.rl_learning_rate`` (``sft_lr / 8 * sqrt(episodes / 64)``, at most
-    ``sft_lr / 4``): 3.75e-5 for 3e-4 and 8 x 8 episodes. The one-call main job keeps 2e-4 (its short
-    SFT leaves much to gain, and its README block was measured so); from a strong 3-call SFT start
-    2e-4 lost 0.28 pass@1 (docs/algorithms.md, "Why RL lost the strong start")."""
+    ``sft_lr / 4``): 3.25e-5 for 3e-4 and 8 x 6 episodes. The one-call job sets 2e-4 (its short SFT
+    leaves much to gain); from a strong 3-call SFT start 2e-4 lost 0.28 pass@1 (docs/algorithms.md,
+    "Why RL lost the strong start")."""
 
-    rl_warmup_steps: int = Field(0, ge=0)
+    rl_warmup_steps: int = Field(2, ge=0)
     """RL steps of linear learning-rate warmup; step k of N runs at k/(N+1) of the rate, so the
     first one already moves. RL starts a fresh Adam, whose first updates move every weight by about
     the learning rate whatever the gradient's size."""
 
-    rl_guidance: bool = False
+    rl_guidance: bool = True
     """LUFFY guidance: a group whose samples all failed gets the env's expert trajectory (with
     LUFFY's shaped importance weight) before advantages, so it carries signal (``RLConfig.guidance``)."""
 
@@ -102,7 +104,7 @@ class DemoConfig(_Section):
     """With ``rl_guidance``: which groups get the expert trajectory (``GuidanceConfig.groups``):
     ``all_failed``, or ``every`` group (LUFFY's mixed-policy setting)."""
 
-    rl_reward_parts: dict[str, float] | None = None
+    rl_reward_parts: dict[str, float] | None = Field(default_factory=lambda: {"answer": 1.0, "calls": 0.3})
     """Reward parts of the RL env (``env_options`` + ``reward_parts``; docs/environments.md, "Reward
     parts"): the calculator's ``calls`` part pays 1/n for each call that reproduces a reference
     intermediate result, so groups whose final answers all agree still rank their episodes. The
@@ -115,7 +117,7 @@ class DemoConfig(_Section):
     from that turn on, so a reward part earned at a turn (the calculator's ``calls``) credits that turn
     and those before it, not the whole episode (docs/algorithms.md, "Why RL lost the strong start")."""
 
-    rl_max_policy_drift: float | None = Field(None, gt=0)
+    rl_max_policy_drift: float | None = Field(0.02, gt=0)
     """Trust region of each RL update (``RLConfig.max_policy_drift``): KL(pi_old || pi_new) per
     sampled token above it shrinks the step by halves (PPO's usual target KL is 0.01-0.02; the strong-start
     bench uses 0.02). None: off (the drift is still logged)."""
@@ -126,7 +128,7 @@ class DemoConfig(_Section):
     representation otherwise drags along (docs/algorithms.md, "Why RL lost the strong start").
     0: off. Costs one reference forward per row."""
 
-    rl_expert_replay: float = Field(0.0, ge=0.0)
+    rl_expert_replay: float = Field(1.0, ge=0.0)
     """Weight of the RL stage's expert-replay term (``RLConfig.expert_replay``, PPO-ptx's mix with
     the env's expert): every update adds this x the mean NLL of ``rl_tasks_per_step`` expert traces,
     in rotation through the RL train tasks, which holds the decisions the step's samples do not
@@ -137,9 +139,24 @@ class DemoConfig(_Section):
     (``expert_replay.policy_gradient: false``), so a gain can be split between replay and RL."""
 
     micro_batch_size: int = Field(1, gt=0)
-    """Sequences per forward/backward pass of SFT and RL. 1 keeps the demo's peak low and, on 2 CPU
-    cores, is also faster (rows of one pass are padded to the longest). Measured on the demo's data
-    (2 steps each, peak RSS): SFT 2.40 GiB at 1 against 3.74 GiB at 2; RL 3.15 against 4.49 GiB."""
+    """Sequences per forward/backward pass of the RL update. 1 is both the lowest peak and, on 2 CPU
+    cores, the fastest (measured on 3-call episodes, 4 tasks x 6, bfloat16 autocast: the update
+    51 s at 3.96 GiB peak, 51 s at 5.81 GiB at 2, 70 s at 11.45 GiB at 8)."""
+
+    sft_micro_batch_size: int = Field(8, gt=0)
+    """Sequences per forward/backward pass of SFT: the rows of a pass share the system prompt and
+    tool schemas (half of a 3-call trace), which the forward runs once (docs/algorithms.md,
+    "Log-probs"). Measured on 8 three-call traces: 5.1 s a step at 8 with bfloat16 autocast, 8.1 s at
+    8 in float32, 11.4 s at 1 (bench/README.md)."""
+
+    rl_micro_batch_tokens: int | None = Field(None, gt=0)
+    """The RL update's micro-batches cut by computed tokens (``RLConfig.micro_batch_tokens``): a
+    group's samples share their prompt, which the forward runs once. None: ``micro_batch_size`` rows."""
+
+    autocast: Literal["none", "bfloat16", "auto"] = "auto"
+    """Mixed precision of both training stages' forward passes (``ModelConfig.autocast``): ``auto``
+    runs the matmuls in bfloat16 where the CPU or GPU computes it natively (AMX / AVX512-BF16, CUDA),
+    float32 elsewhere. Rollouts and evaluations sample in float32 either way."""
 
     lora_r: int = Field(16, gt=0)
     """LoRA rank of both training stages."""
@@ -156,6 +173,13 @@ class DemoConfig(_Section):
 
     progress: bool = True
     """Progress bars."""
+
+    @model_validator(mode="after")
+    def _sft_micro_batches_fit(self) -> "DemoConfig":
+        if self.sft_batch_size % self.sft_micro_batch_size:
+            raise ValueError(f"sft_batch_size ({self.sft_batch_size}) must be a multiple of sft_micro_batch_size "
+                             f"({self.sft_micro_batch_size})")
+        return self
 
     @model_validator(mode="after")
     def _replay_only_needs_replay(self) -> "DemoConfig":
@@ -215,10 +239,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     # 3. SFT on the expert data
     _stage(f"3/6 SFT: {cfg.sft_steps} steps x {cfg.sft_batch_size} expert trajectories (LoRA r={cfg.lora_r})", started)
     sft_cfg = SFTConfig(
-        model=ModelConfig(name=cfg.model), lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
+        model=ModelConfig(name=cfg.model, autocast=cfg.autocast), lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
         optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=1, schedule="cosine"),
         data={"train_files": [str(out / "expert" / "trajectories.jsonl")]},
-        max_steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.micro_batch_size,
+        max_steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.sft_micro_batch_size,
         seed=cfg.seed, output_dir=str(out / "train_sft"), checkpoint={"every": 0, "keep_last": 1},
         logging={"tensorboard": True, "progress": cfg.progress},
     )
@@ -270,7 +294,7 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
     """Stage 5: GRPO (LoRA) from the SFT adapter, on the env and turn budget the evaluations use
     (``bench/rl_from_sft.py`` reruns it with other settings)."""
     return RLConfig(
-        model=ModelConfig(name=cfg.model, adapter=str(sft_adapter)),
+        model=ModelConfig(name=cfg.model, adapter=str(sft_adapter), autocast=cfg.autocast),
         lora=LoraConfig(r=cfg.lora_r, alpha=2 * cfg.lora_r),
         optim=OptimConfig(lr=demo_rl_lr(cfg), warmup_steps=cfg.rl_warmup_steps, schedule="constant"),
         env={"name": cfg.env, "options": {**cfg.env_options,
@@ -282,7 +306,8 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
                  "temperature": cfg.temperature, "concurrency": 64},
         advantage={"estimator": cfg.rl_estimator},
         policy_loss={"loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": cfg.rl_kl_coef},
-        micro_batch_size=cfg.micro_batch_size, steps=cfg.rl_steps, max_length=2048,
+        micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.rl_micro_batch_tokens, steps=cfg.rl_steps,
+        max_length=2048,
         guidance={"groups": cfg.rl_guidance_groups} if cfg.rl_guidance else None, max_policy_drift=cfg.rl_max_policy_drift,
         expert_replay={"coef": cfg.rl_expert_replay, "tasks": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8),
                        "per_step": cfg.rl_tasks_per_step, "policy_gradient": not cfg.rl_replay_only}

@@ -11,6 +11,7 @@ from tracegym.algos.config import PolicyLossConfig
 from tracegym.config import RLConfig
 from tracegym.render import get_renderer
 from tracegym.train.lora import is_peft_model, prepare_model, starting_reference
+from tracegym.train.precision import needs_train_mode, resolve_autocast, set_training_autocast
 
 __all__ = ["load_policy", "make_renderer", "make_sampler"]
 
@@ -32,7 +33,9 @@ def load_policy(cfg: Any, loss_cfg: PolicyLossConfig | None, device: torch.devic
     merged when training starts from one; None for a fresh adapter (the base, adapter disabled).
     ``reference`` says whether the loss needs one (a preference loss always does); by default it is
     built for a KL term (``loss_cfg.kl_coef > 0``), and None otherwise. The model is in eval mode (RL:
-    the rollout engine samples from it) or, with ``train``, in train mode (the fixed-dataset recipes)."""
+    the rollout engine samples from it) or, with ``train``, in train mode where that changes the
+    computation (the fixed-dataset recipes; ``needs_train_mode``). ``model.autocast`` marks the model
+    for mixed-precision training forwards (``tracegym/train/precision.py``)."""
     from tracegym.models import load
 
     wants_reference = reference if reference is not None else loss_cfg is not None and loss_cfg.kl_coef > 0
@@ -44,7 +47,10 @@ def load_policy(cfg: Any, loss_cfg: PolicyLossConfig | None, device: torch.devic
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
             model.enable_input_require_grads()  # frozen embeddings: make checkpointed inputs carry grad
-    model.to(device).train(train)
+    # fixed-dataset recipes train in train mode only where it changes the computation (dropout,
+    # gradient checkpointing); in eval mode the forward can run a shared prompt prefix once
+    model.to(device).train(train and needs_train_mode(model, cfg.model.gradient_checkpointing))
+    set_training_autocast(model, resolve_autocast(cfg.model.autocast, device))
     if starting is None and wants_reference and not is_peft_model(model):
         raise ValueError("kl_coef > 0 needs a reference policy: LoRA (adapter disabled) or full fine-tuning")
     return model, tokenizer, starting

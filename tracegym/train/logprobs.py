@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracegym.train.precision import training_forward_context
+
 DEFAULT_CHUNK_ROWS = 1024  # positions per chunk: 1024 x 49k x 4 bytes = 200 MB of temporaries
 
 
@@ -147,7 +149,10 @@ def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_
     gradients; its keys and values are repeated to the B rows (``batch_repeat_interleave``, whose
     backward sums the rows' gradients into the one prefix) and only the suffixes run at batch B,
     attending to it. Exact: a causal prefix never sees what follows it, so every row's prefix
-    states are the same computation (float rounding aside: other matmul shapes)."""
+    states are the same computation (float rounding aside: other matmul shapes).
+
+    A model marked with ``model.autocast`` runs under ``torch.autocast`` (``train/precision.py``):
+    the logits come out bfloat16 and the log-prob arithmetic upcasts them chunk by chunk."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
@@ -159,12 +164,13 @@ def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_
         raise ValueError(f"first_column must be in [0, {length - 2}] for sequences of {length} tokens, got {first_column}")
     prefix = shared_prefix_length(input_ids, attention_mask, first_column) if share_prefix and not getattr(
         model, "training", False) else 0
-    if prefix:
-        logits = _forward_after_prefix(model, input_ids, attention_mask, first_column, prefix)
-        if logits is not None:
-            return logits
-    kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
-    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
+        if prefix:
+            logits = _forward_after_prefix(model, input_ids, attention_mask, first_column, prefix)
+            if logits is not None:
+                return logits
+        kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
+        output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = output.logits if hasattr(output, "logits") else output
     if logits.shape[1] != length - first_column:  # a model without logits_to_keep support
         logits = logits[:, first_column:].contiguous()

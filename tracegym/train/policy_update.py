@@ -28,6 +28,7 @@ from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_token
 from tracegym.memory import release_memory
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
 from tracegym.train.optim import clip_gradients
+from tracegym.train.precision import training_autocast
 
 
 def batch_logprobs(
@@ -56,19 +57,23 @@ def reference_logprobs(
     return batch_logprobs(model, batch, micro_batch_size, temperature=temperature, disable_adapter=True)
 
 
-def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False) -> bool:
+def needs_old_logprobs(batch: Batch, loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False,
+                       mixed_precision: bool = False) -> bool:
     """Whether the trainer must re-score the old policy instead of using the engine's log-probs:
     several passes (the ratio drifts from 1), a loss that compares the two (TIS, decoupled PPO's
     proximal policy), top-p (the engine renormalised over the nucleus, the trainer's softmax does
-    not), rows without engine log-probs, or a ``stale`` batch (sampled by an older policy version:
-    the ratio must start from the weights being updated, not from the sampler's)."""
-    return every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale) \
+    not), rows without engine log-probs, a ``stale`` batch (sampled by an older policy version:
+    the ratio must start from the weights being updated, not from the sampler's), or a trainer whose
+    forward runs under ``model.autocast`` (``mixed_precision``: its log-probs differ from the
+    engine's by bfloat16 rounding, which the ratio would read as an update)."""
+    return every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale, mixed_precision=mixed_precision) \
         or not bool(batch.has_engine_logprobs.all())
 
 
-def every_row_needs_rescoring(loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False) -> bool:
+def every_row_needs_rescoring(loss_cfg: Any, *, epochs: int, top_p: float, stale: bool = False,
+                              mixed_precision: bool = False) -> bool:
     """The reasons of ``needs_old_logprobs`` that hold for every row, not only those without engine log-probs."""
-    return epochs > 1 or loss_cfg.needs_old_logprobs or top_p < 1.0 or stale
+    return epochs > 1 or loss_cfg.needs_old_logprobs or top_p < 1.0 or stale or mixed_precision
 
 
 def score_batch(
@@ -85,9 +90,11 @@ def score_batch(
 ) -> Batch:
     """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss)."""
     old = None
-    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
+    mixed = training_autocast(model) is not None  # model.autocast: the engine's numerics are not the trainer's
+    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale, mixed_precision=mixed):
         missing = ~batch.has_engine_logprobs.bool()
-        if bool(missing.all()) or every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale):
+        if bool(missing.all()) or every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale,
+                                                            mixed_precision=mixed):
             old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
         else:  # only some rows lack engine log-probs (e.g. guidance rows): score those alone
             rows = torch.nonzero(missing).flatten()
