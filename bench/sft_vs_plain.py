@@ -112,6 +112,7 @@ def run_tracegym(job: dict[str, Any]) -> dict[str, Any]:
     from tracegym.recipes.sft import accumulate_sft_gradients
     from tracegym.train.lora import prepare_model
     from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+    from tracegym.train.precision import needs_train_mode
     from tracegym.train.seed import seed_everything
     from tracegym.types import TrainingExample
 
@@ -121,8 +122,8 @@ def run_tracegym(job: dict[str, Any]) -> dict[str, Any]:
     seed_everything(cfg.seed)  # as train_sft, from here on
     model, _ = load(cfg.model.name, cfg.model.dtype)
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
-    model.to(device).train()
-    optimizer = build_optimizer(model, cfg.optim)
+    model.to(device).train(needs_train_mode(model, cfg.model.gradient_checkpointing))  # as train_sft: eval mode
+    optimizer = build_optimizer(model, cfg.optim)  # without dropout, so the rows' shared prefix runs once
     scheduler = build_scheduler(optimizer, cfg.optim, len(job["batches"]))
     rows: list[tuple[float, float, int, int]] = []
     for indices in job["batches"]:  # the body of train_sft's loop, logging and checkpoints left out

@@ -1,6 +1,7 @@
 """``tracegym demo``: the main job. Base -> SFT -> RL on the embedded SmolLM2, evaluated on held-out tasks.
 
-    tracegym demo                                  # about 20 minutes on a 2-core CPU
+    tracegym demo                                  # the many-step job (3-call calculator problems)
+    tracegym demo --config examples/demo_one_call.yaml   # the one-call job of rounds 1-2
     tracegym demo rl_steps=16 test_tasks=64        # any DemoConfig field as KEY=VALUE
     tracegym demo --print-config
     tracegym demo --seeds 1,2,3                    # runs/demo/seed_{1,2,3}/, one after another, same test tasks

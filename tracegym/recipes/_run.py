@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from tracegym.memory import release_memory
 from tracegym.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from tracegym.train.logging import MetricsLogger, ProgressBar, process_rss_mb
 from tracegym.train.lora import count_parameters
@@ -173,6 +174,9 @@ def optimizer_step(run: EpochRun,
     lr = run.scheduler.get_last_lr()[0]  # the lr this step uses
     run.optimizer.step()
     run.scheduler.step()
+    # the step's activations go back to the system: rows of other lengths every step otherwise leave
+    # freed pages behind, and the resident set crept from 4.5 to 5.6 GB over the demo's 96 SFT steps
+    release_memory()
     return out, grad_norm, lr, time.perf_counter() - started
 
 

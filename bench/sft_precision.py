@@ -1,0 +1,131 @@
+"""SFT step time by micro-batch, forward mode and precision: the demo's SFT before and after, side by side.
+
+The same optimizer steps as ``bench/sft_vs_plain.py`` (its ``build_job``: scripted expert calculator
+traces through ``load_sft_examples``, ``train_sft``'s batch order, LoRA r=16 on SmolLM2-135M, AdamW,
+clip 1.0), run in three settings, each in its own subprocess (so each peak RSS is its own):
+
+- ``float32, 1 row a pass, train mode``: the demo's SFT until 2026-12-06 (every row's forward whole);
+- ``float32, 8 rows a pass, eval mode``: the rows' common prefix (system prompt and tool schemas,
+  about half of a calculator trace) runs once (``forward_logits``' shared prefix, which train mode
+  turns off; fixed-dataset recipes now train in eval mode unless dropout or checkpointing needs it);
+- ``bfloat16 autocast, 8 rows a pass, eval mode``: ``model.autocast: bfloat16`` on top (matmuls in
+  bfloat16 on AMX / AVX512-BF16; weights, gradients and AdamW in float32);
+- the same at 4 rows a pass (a lower peak).
+
+Run from the repository root, nothing else on the CPU::
+
+    .venv/bin/python bench/sft_precision.py [--num-calls 3] [--steps 4] [--warmup 1]
+
+The first-step loss of each setting is printed: the float32 ones agree to float rounding, the
+bfloat16 ones to bfloat16 rounding. Each worker caps glibc's malloc arenas at 2, as the CLI does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SETTINGS = {  # name: (autocast, micro-batch rows, train mode)
+    "float32, 1 row a pass, train mode": ("none", 1, True),
+    "float32, 8 rows a pass, eval mode": ("none", 8, False),
+    "bfloat16 autocast, 8 rows a pass, eval mode": ("bfloat16", 8, False),
+    "bfloat16 autocast, 4 rows a pass, eval mode": ("bfloat16", 4, False),
+}
+
+
+def run_setting(job: dict[str, Any], name: str) -> dict[str, Any]:
+    import torch
+
+    from sft_vs_plain import _clock, _summary
+    from tracegym.config import SFTConfig
+    from tracegym.models import load
+    from tracegym.recipes.sft import accumulate_sft_gradients
+    from tracegym.train.lora import prepare_model
+    from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
+    from tracegym.train.precision import resolve_autocast, set_training_autocast
+    from tracegym.train.seed import seed_everything
+    from tracegym.types import TrainingExample
+
+    autocast, micro_batch_size, train_mode = SETTINGS[name]
+    cfg = SFTConfig.model_validate(job["config"])
+    examples = [TrainingExample.model_validate(e) for e in job["examples"]]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seed_everything(cfg.seed)
+    model, _ = load(cfg.model.name, cfg.model.dtype)
+    model = prepare_model(model, cfg.lora, cfg.model.adapter)
+    model.to(device).train(train_mode)
+    set_training_autocast(model, resolve_autocast(autocast, device))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, len(job["batches"]))
+    rows: list[tuple[float, float, int, int]] = []
+    for indices in job["batches"]:
+        batch = [examples[i] for i in indices]
+        started = _clock(device)
+        optimizer.zero_grad(set_to_none=True)
+        out = accumulate_sft_gradients(model, batch, micro_batch_size, device, job["pad_id"])
+        clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        rows.append((_clock(device) - started, out["loss"], out["loss_tokens"], out["tokens"]))
+    return _summary(rows, job["warmup"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-calls", type=int, default=3, help="calculator calls per expert trace")
+    parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per setting")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 2))
+    parser.add_argument("--worker", nargs=2, metavar=("SETTING", "JOB"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    import sft_vs_plain
+
+    if args.worker:
+        import torch
+
+        index, job_file = args.worker
+        job = json.loads(Path(job_file).read_text(encoding="utf-8"))
+        torch.set_num_threads(job["threads"])
+        print("RESULT " + json.dumps(run_setting(job, list(SETTINGS)[int(index)])), flush=True)
+        return 0
+
+    from stages import run_side
+
+    sft_vs_plain.ENV_OPTIONS = {"num_calls": args.num_calls}
+    job_args = argparse.Namespace(model=args.model, episodes=args.episodes, steps=args.steps, warmup=args.warmup,
+                                  batch_size=8, micro_batch_size=8, threads=args.threads, lr=1e-4)
+    with tempfile.TemporaryDirectory(prefix="sft-precision-") as tmp:
+        job = sft_vs_plain.build_job(job_args, Path(tmp))
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job), encoding="utf-8")
+        os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
+        results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", str(i), str(job_file)], name)
+                   for i, name in enumerate(SETTINGS)}
+    base = statistics.median(results[next(iter(SETTINGS))]["step_s"])
+    lengths = [len(e["input_ids"]) for e in job["examples"]]
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | {args.model}, "
+          f"{len(job['examples'])} expert calculator traces (num_calls={args.num_calls}, {min(lengths)}-{max(lengths)} "
+          f"tokens, mean {statistics.fmean(lengths):.0f}), batch 8, {args.warmup} warmup + {args.steps} timed steps, LoRA r=16")
+    print("| setting | median s/step | timed steps (s) | vs the first | first step loss | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        median = statistics.median(r["step_s"])
+        print(f"| {name} | {median:.2f} | {' '.join(f'{s:.2f}' for s in r['step_s'])} | {base / median:.2f}x | "
+              f"{r['first_loss']:.4f} | {r['peak_rss_mb']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
