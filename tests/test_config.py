@@ -179,11 +179,11 @@ def test_every_example_config_loads():
     names = {f.name for f in files}
     for env in ("calculator", "search", "gridworld", "service"):
         assert f"sft_{env}.yaml" in names and f"rl_{env}.yaml" in names
-    for file in files:
-        from tracegym.recipes.demo import DemoConfig
+    from tracegym.recipes.demo import DemoConfig  # tracegym demo --config examples/demo_*.yaml
 
-        classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig,
-                   "synthesize": SynthesizeConfig, "demo": DemoConfig}
+    classes = {"sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig, "distill": DistillConfig,
+               "synthesize": SynthesizeConfig, "demo": DemoConfig}
+    for file in files:
         prefix = file.name.split("_", 1)[0]
         assert prefix in classes, file.name
         cls = classes[prefix]

@@ -121,6 +121,9 @@ def test_train_mode_only_where_it_changes_the_computation():
     assert needs_train_mode(model, gradient_checkpointing=True)
     dropped, _ = _tiny_lora(dropout=0.1)
     assert needs_train_mode(dropped, gradient_checkpointing=False)
+    attention_dropout, _ = _tiny_lora()
+    attention_dropout.config.attention_dropout = 0.1  # applied functionally inside attention, train mode only
+    assert needs_train_mode(attention_dropout, gradient_checkpointing=False)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

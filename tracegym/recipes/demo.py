@@ -146,8 +146,9 @@ class DemoConfig(_Section):
     sft_micro_batch_size: int = Field(8, gt=0)
     """Sequences per forward/backward pass of SFT: the rows of a pass share the system prompt and
     tool schemas (half of a 3-call trace), which the forward runs once (docs/algorithms.md,
-    "Log-probs"). Measured on 8 three-call traces: 5.1 s a step at 8 with bfloat16 autocast, 8.1 s at
-    8 in float32, 11.4 s at 1 (bench/README.md)."""
+    "Log-probs"). Measured on 8 three-call traces (``bench/sft_precision.py``): 6.5 s a step at 8 with
+    bfloat16 autocast (5.6 GB peak), 8.5 s at 4 (4.2 GB), 9.1 s at 8 in float32, 14.0 s at 1 in train
+    mode (the demo's SFT before 2026-12-06)."""
 
     rl_micro_batch_tokens: int | None = Field(None, gt=0)
     """The RL update's micro-batches cut by computed tokens (``RLConfig.micro_batch_tokens``): a

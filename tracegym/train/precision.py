@@ -71,9 +71,14 @@ def training_forward_context(model: Any, device: torch.device) -> Any:
 
 def needs_train_mode(model: torch.nn.Module, gradient_checkpointing: bool) -> bool:
     """Whether training must run in train mode: gradient checkpointing (it acts only there) or an
-    active dropout (LoRA or model). Otherwise eval mode computes the same thing, and lets the
-    forward run a shared prompt prefix once (``forward_logits``)."""
-    return gradient_checkpointing or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    active dropout: a ``Dropout`` module (LoRA's) or a dropout rate in the model's config (attention
+    code applies ``config.attention_dropout`` functionally, only in train mode). Otherwise eval mode
+    computes the same thing, and lets the forward run a shared prompt prefix once (``forward_logits``)."""
+    if gradient_checkpointing or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any("dropout" in key and isinstance(value, (int, float)) and value > 0 for key, value in settings.items())
 
 
 __all__ = ["AutocastSetting", "native_bfloat16", "needs_train_mode", "resolve_autocast", "set_training_autocast",
