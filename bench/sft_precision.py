@@ -43,40 +43,10 @@ SETTINGS = {  # name: (autocast, micro-batch rows, train mode)
 
 
 def run_setting(job: dict[str, Any], name: str) -> dict[str, Any]:
-    import torch
-
-    from sft_vs_plain import _clock, _summary
-    from tracegym.config import SFTConfig
-    from tracegym.models import load
-    from tracegym.recipes.sft import accumulate_sft_gradients
-    from tracegym.train.lora import prepare_model
-    from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
-    from tracegym.train.precision import resolve_autocast, set_training_autocast
-    from tracegym.train.seed import seed_everything
-    from tracegym.types import TrainingExample
+    from sft_vs_plain import run_tracegym
 
     autocast, micro_batch_size, train_mode = SETTINGS[name]
-    cfg = SFTConfig.model_validate(job["config"])
-    examples = [TrainingExample.model_validate(e) for e in job["examples"]]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    seed_everything(cfg.seed)
-    model, _ = load(cfg.model.name, cfg.model.dtype)
-    model = prepare_model(model, cfg.lora, cfg.model.adapter)
-    model.to(device).train(train_mode)
-    set_training_autocast(model, resolve_autocast(autocast, device))
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, len(job["batches"]))
-    rows: list[tuple[float, float, int, int]] = []
-    for indices in job["batches"]:
-        batch = [examples[i] for i in indices]
-        started = _clock(device)
-        optimizer.zero_grad(set_to_none=True)
-        out = accumulate_sft_gradients(model, batch, micro_batch_size, device, job["pad_id"])
-        clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        rows.append((_clock(device) - started, out["loss"], out["loss_tokens"], out["tokens"]))
-    return _summary(rows, job["warmup"])
+    return run_tracegym(job, autocast=autocast, micro_batch_size=micro_batch_size, train_mode=train_mode)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,10 @@ def _clock(device: Any) -> float:
     return time.perf_counter()
 
 
-def run_tracegym(job: dict[str, Any]) -> dict[str, Any]:
+def run_tracegym(job: dict[str, Any], *, autocast: str = "none", micro_batch_size: int | None = None,
+                 train_mode: bool | None = None) -> dict[str, Any]:
+    """tracegym's SFT steps on the job's batches; ``autocast``, ``micro_batch_size`` and
+    ``train_mode`` override the recipe's choices (``bench/sft_precision.py`` compares them)."""
     import torch
 
     from tracegym.config import SFTConfig
@@ -112,7 +115,7 @@ def run_tracegym(job: dict[str, Any]) -> dict[str, Any]:
     from tracegym.recipes.sft import accumulate_sft_gradients
     from tracegym.train.lora import prepare_model
     from tracegym.train.optim import build_optimizer, build_scheduler, clip_gradients
-    from tracegym.train.precision import needs_train_mode
+    from tracegym.train.precision import needs_train_mode, resolve_autocast, set_training_autocast
     from tracegym.train.seed import seed_everything
     from tracegym.types import TrainingExample
 
@@ -122,15 +125,19 @@ def run_tracegym(job: dict[str, Any]) -> dict[str, Any]:
     seed_everything(cfg.seed)  # as train_sft, from here on
     model, _ = load(cfg.model.name, cfg.model.dtype)
     model = prepare_model(model, cfg.lora, cfg.model.adapter)
-    model.to(device).train(needs_train_mode(model, cfg.model.gradient_checkpointing))  # as train_sft: eval mode
-    optimizer = build_optimizer(model, cfg.optim)  # without dropout, so the rows' shared prefix runs once
+    if train_mode is None:  # as train_sft: eval mode without dropout, so the rows' shared prefix runs once
+        train_mode = needs_train_mode(model, cfg.model.gradient_checkpointing)
+    model.to(device).train(train_mode)
+    set_training_autocast(model, resolve_autocast(autocast, device))
+    micro_batch_size = micro_batch_size or cfg.micro_batch_size
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, len(job["batches"]))
     rows: list[tuple[float, float, int, int]] = []
     for indices in job["batches"]:  # the body of train_sft's loop, logging and checkpoints left out
         batch = [examples[i] for i in indices]
         started = _clock(device)
         optimizer.zero_grad(set_to_none=True)
-        out = accumulate_sft_gradients(model, batch, cfg.micro_batch_size, device, job["pad_id"])
+        out = accumulate_sft_gradients(model, batch, micro_batch_size, device, job["pad_id"])
         clip_gradients(model.parameters(), cfg.optim.max_grad_norm)
         optimizer.step()
         scheduler.step()
