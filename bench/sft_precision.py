@@ -5,7 +5,8 @@ traces through ``load_sft_examples``, ``train_sft``'s batch order, LoRA r=16 on 
 clip 1.0), run in three settings, each in its own subprocess (so each peak RSS is its own):
 
 - ``float32, 1 row a pass, train mode``: the demo's SFT until 2026-12-06 (every row's forward whole);
-- ``float32, 8 rows a pass, eval mode``: the rows' common prefix (system prompt and tool schemas,
+- ``float32, 8 rows a pass, eval mode`` (full logits, then with the fused output layer of
+  ``train/logprobs.py``, and at 4 rows): the rows' common prefix (system prompt and tool schemas,
   about half of a calculator trace) runs once (``forward_logits``' shared prefix, which train mode
   turns off; fixed-dataset recipes now train in eval mode unless dropout or checkpointing needs it);
 - ``bfloat16 autocast, 8 rows a pass, eval mode``: ``model.autocast: bfloat16`` on top (matmuls in
@@ -34,18 +35,24 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {  # name: (autocast, micro-batch rows, train mode)
-    "float32, 1 row a pass, train mode": ("none", 1, True),
-    "float32, 8 rows a pass, eval mode": ("none", 8, False),
-    "bfloat16 autocast, 8 rows a pass, eval mode": ("bfloat16", 8, False),
-    "bfloat16 autocast, 4 rows a pass, eval mode": ("bfloat16", 4, False),
+SETTINGS = {  # name: (autocast, micro-batch rows, train mode, fused output layer)
+    "float32, 1 row a pass, train mode, full logits": ("none", 1, True, False),
+    "float32, 8 rows a pass, eval mode, full logits": ("none", 8, False, False),
+    "float32, 8 rows a pass, eval mode": ("none", 8, False, True),
+    "float32, 4 rows a pass, eval mode": ("none", 4, False, True),
+    "bfloat16 autocast, 8 rows a pass, eval mode": ("bfloat16", 8, False, True),
+    "bfloat16 autocast, 4 rows a pass, eval mode": ("bfloat16", 4, False, True),
 }
 
 
 def run_setting(job: dict[str, Any], name: str) -> dict[str, Any]:
     from sft_vs_plain import run_tracegym
 
-    autocast, micro_batch_size, train_mode = SETTINGS[name]
+    autocast, micro_batch_size, train_mode, fused = SETTINGS[name]
+    if not fused:  # the output layer as the model applies it: full [B, L, V] logits, then the log-probs
+        import tracegym.train.logprobs as logprobs
+
+        logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
     return run_tracegym(job, autocast=autocast, micro_batch_size=micro_batch_size, train_mode=train_mode)
 
 
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per setting")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 2))
+    parser.add_argument("--only", default="", help="run the settings whose name holds this text (e.g. float32: "
+                        "bfloat16 autocast is slow where the CPU has no native bfloat16)")
     parser.add_argument("--worker", nargs=2, metavar=("SETTING", "JOB"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -82,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         job_file.write_text(json.dumps(job), encoding="utf-8")
         os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
         results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", str(i), str(job_file)], name)
-                   for i, name in enumerate(SETTINGS)}
-    base = statistics.median(results[next(iter(SETTINGS))]["step_s"])
+                   for i, name in enumerate(SETTINGS) if args.only in name}
+    base = statistics.median(next(iter(results.values()))["step_s"])
     lengths = [len(e["input_ids"]) for e in job["examples"]]
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | {args.model}, "
           f"{len(job['examples'])} expert calculator traces (num_calls={args.num_calls}, {min(lengths)}-{max(lengths)} "

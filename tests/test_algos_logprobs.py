@@ -85,9 +85,119 @@ def test_first_column_skips_the_output_layer_but_changes_nothing_trained(tiny_mo
     calls = []
     handle = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[1]))
     try:
+        token_logprobs(model, ids, mask, first_column=first, fused_head=False)
+        assert calls == [12 - first]  # the output layer saw only the kept positions
         token_logprobs(model, ids, mask, first_column=first)
+        assert calls == [12 - first]  # fused: the output layer's weight is used chunk by chunk, no [B, L, V] call
     finally:
         handle.remove()
-    assert calls == [12 - first]  # the output layer saw only the kept positions
     with pytest.raises(ValueError, match="first_column"):
         token_logprobs(model, ids, mask, first_column=11)
+
+
+def _lora_copy(seed: int = 0, dtype: torch.dtype = torch.float64):
+    """A tiny-random model with a fresh LoRA adapter whose B is random (so LoRA gradients flow), in ``dtype``."""
+    from tracegym.config import LoraConfig
+    from tracegym.models import load
+    from tracegym.train.lora import prepare_model
+
+    model, _ = load("tiny-random")
+    model = prepare_model(model, LoraConfig(r=4, alpha=8), None).to(dtype).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
+@pytest.mark.parametrize("rows_share_prefix", [False, True])
+def test_fused_output_layer_equals_full_logits_in_values_and_gradients(entropy_weight: float, rows_share_prefix: bool):
+    """The fused output layer (chunks of 3 positions: several chunks per row) against full logits in
+    float64 weights: log-probs, entropies and every LoRA gradient agree to float32 rounding (both
+    paths do the softmax arithmetic in float32, by design; a wrong formula is off by O(1)), with and without the
+    entropy in the loss (unused, its backward is skipped), with and without a shared prefix."""
+    from tracegym.train.logprobs import output_head, token_logprobs_and_entropy
+
+    model = _lora_copy()
+    assert output_head(model) is not None
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 1000, (3, 40), generator=gen)
+    if rows_share_prefix:
+        ids[:, :24] = ids[0, :24]  # a 24-token common prefix: computed once (MIN_SHARED_PREFIX 16)
+    mask = torch.ones_like(ids)
+    mask[2, 33:] = 0
+    weights = torch.randn(3, 39, generator=gen, dtype=torch.float64) * mask[:, 1:]
+    results = []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, h = token_logprobs_and_entropy(model, ids, mask, temperature=0.7, first_column=20, chunk_rows=3, fused_head=fused)
+        ((lp * weights).sum() + entropy_weight * (h * weights).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((lp * mask[:, 1:], h * mask[:, 1:], grads))
+    (lp_a, h_a, g_a), (lp_b, h_b, g_b) = results
+    assert lp_a.dtype == torch.float32  # log-probs come out float32 either way
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(h_b, h_a, atol=1e-6, rtol=0)
+    assert g_a.keys() == g_b.keys() and len(g_a) == 28  # 2 layers x 7 projections x lora_A, lora_B
+    for name in g_a:
+        torch.testing.assert_close(g_b[name], g_a[name], atol=1e-6 * float(g_a[name].abs().max()), rtol=0, msg=name)
+
+
+def test_fused_output_layer_trains_the_output_weights_like_full_logits():
+    """Full fine-tuning (the output layer tied to the embeddings trains): the weight gradient of the
+    fused layer (accumulated chunk by chunk) equals autograd's through full logits."""
+    from tracegym.models import load
+    from tracegym.train.logprobs import token_logprobs
+
+    model, _ = load("tiny-random")
+    model = model.to(torch.float64).eval()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 1000, (2, 16), generator=gen)
+    mask = torch.ones_like(ids)
+    grads = []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        token_logprobs(model, ids, mask, temperature=1.3, chunk_rows=5, fused_head=fused)[:, 4:].sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6 * float(grads[0][name].abs().max()), rtol=0, msg=name)
+
+
+def test_fused_output_layer_under_bfloat16_autocast_matches_the_model():
+    """Under ``model.autocast`` the fused layer multiplies in bfloat16 as the model's own output layer
+    does, so its log-probs equal those from the model's bfloat16 logits (up to chunk shapes)."""
+    from tracegym.train.logprobs import token_logprobs
+    from tracegym.train.precision import set_training_autocast
+
+    model = _lora_copy(dtype=torch.float32)
+    set_training_autocast(model, torch.bfloat16)
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    fused = token_logprobs(model, ids, mask, first_column=5)
+    full = token_logprobs(model, ids, mask, first_column=5, fused_head=False)
+    torch.testing.assert_close(fused, full, atol=2e-2, rtol=0)
+    set_training_autocast(model, None)
+    exact = token_logprobs(model, ids, mask, first_column=5)
+    assert (fused - exact).abs().max() > 1e-5  # it really ran in bfloat16
+
+
+def test_models_the_fused_layer_cannot_reproduce_take_full_logits():
+    """``output_head`` refuses what would change the logits: an unknown architecture (soft-capping,
+    logit scaling may follow the output layer) and LoRA on the output layer itself."""
+    from peft import LoraConfig as PeftLora, get_peft_model
+
+    from tracegym.models import load
+    from tracegym.train.logprobs import output_head, token_logprobs
+
+    model, _ = load("tiny-random")
+    assert output_head(model) is not None
+    lora_head = get_peft_model(load("tiny-random")[0], PeftLora(r=2, target_modules=["q_proj", "lm_head"]))
+    assert output_head(lora_head) is None
+    other, _ = load("tiny-random")
+    other.config.model_type = "gemma2"
+    assert output_head(other) is None
+    ids = torch.randint(3, 1000, (1, 8), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(token_logprobs(other, ids, torch.ones_like(ids)),
+                               token_logprobs(model, ids, torch.ones_like(ids), fused_head=False))

@@ -138,17 +138,20 @@ class DemoConfig(_Section):
     """The control of ``rl_expert_replay``: the RL stage trains on the replay term alone
     (``expert_replay.policy_gradient: false``), so a gain can be split between replay and RL."""
 
-    micro_batch_size: int = Field(1, gt=0)
-    """Sequences per forward/backward pass of the RL update. 1 is both the lowest peak and, on 2 CPU
-    cores, the fastest (measured on 3-call episodes, 4 tasks x 6, bfloat16 autocast: the update
-    51 s at 3.96 GiB peak, 51 s at 5.81 GiB at 2, 70 s at 11.45 GiB at 8)."""
+    micro_batch_size: int = Field(6, gt=0)
+    """Sequences per forward/backward pass of the RL update: the group size, so a pass holds one
+    task's samples, whose prompt (system prompt, tool schemas, question: two thirds of a 3-call
+    episode) the forward runs once. Measured on 12 three-call rows in float32 on a 2-core EPYC
+    (``bench/rl_update.py``): 24.5 s an update at 6 rows a pass (4.6 GB peak) against 40.3 s at 1
+    (2.8 GB)."""
 
-    sft_micro_batch_size: int = Field(8, gt=0)
+    sft_micro_batch_size: int = Field(4, gt=0)
     """Sequences per forward/backward pass of SFT: the rows of a pass share the system prompt and
     tool schemas (half of a 3-call trace), which the forward runs once (docs/algorithms.md,
-    "Log-probs"). Measured on 8 three-call traces (``bench/sft_precision.py``): 6.5 s a step at 8 with
-    bfloat16 autocast (5.6 GB peak), 8.5 s at 4 (4.2 GB), 9.1 s at 8 in float32, 14.0 s at 1 in train
-    mode (the demo's SFT before 2026-12-06)."""
+    "Log-probs"). Measured on 8 three-call traces (``bench/sft_precision.py``): on a Xeon with AMX,
+    bfloat16 autocast, 6.5 s a step at 8 (5.6 GB peak) and 8.5 s at 4 (4.2 GB); on an EPYC without
+    native bfloat16, float32, 15.3 s at 8 (6.2 GiB) and 14.6 s at 4 (4.2 GiB), 23.5 s at 1 in train
+    mode (the demo's SFT before 2026-12-06). 4 keeps the demo's peak under 6 GiB."""
 
     rl_micro_batch_tokens: int | None = Field(None, gt=0)
     """The RL update's micro-batches cut by computed tokens (``RLConfig.micro_batch_tokens``): a

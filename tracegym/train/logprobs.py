@@ -29,7 +29,7 @@ from torch import Tensor
 
 from tracegym.train.precision import training_forward_context
 
-DEFAULT_CHUNK_ROWS = 1024  # positions per chunk: 1024 x 49k x 4 bytes = 200 MB of temporaries
+DEFAULT_CHUNK_ROWS = 32  # positions per chunk: 32 x 49k x 4 bytes = 6 MB temporaries (cache-sized: 4x faster than 1024 on a 2-core CPU)
 
 
 def _check_temperature(temperature: float) -> None:
@@ -42,6 +42,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows: int, with_entropy: bool):
+        ctx.set_materialize_grads(False)  # an output the loss does not use (the logged entropy) gets None, not zeros
         n = logits.shape[0]
         logp = torch.zeros(n if targets is not None else 0, dtype=torch.float32, device=logits.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
@@ -59,9 +60,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         logits, targets, entropy = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
         use_logp = ctx.has_targets and grad_logp is not None
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        if not (use_logp or use_entropy):
+            return None, None, None, None, None
+        grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             stop = start + ctx.chunk_rows
             z = logits[start:stop].float() / ctx.temperature
@@ -89,6 +92,132 @@ def _run(logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows:
     logp, entropy = _ChunkedLogprobEntropy.apply(flat, flat_targets, float(temperature), int(chunk_rows), with_entropy)
     lead = logits.shape[:-1]
     return (logp.reshape(lead) if targets is not None else logp), (entropy.reshape(lead) if with_entropy else entropy)
+
+
+# --- the fused output layer ------------------------------------------------------------------------
+#
+# Why by hand: the [B, L, V] logits of an agent episode are the largest tensors of a training step
+# (4 rows x 166 kept positions x 49k vocab x 4 bytes = 130 MB, and as much again for their gradient),
+# and on a CPU most of their cost is memory traffic, not arithmetic: measured on a 135M model, the
+# log-prob and entropy pass over full logits took a third of an RL micro-batch. The libraries that
+# fuse the output layer with the loss (Liger-Kernel, Apple's Cut Cross-Entropy) are Triton kernels
+# for GPUs. Here the output layer runs chunk by chunk of positions inside one autograd function:
+#
+#     z_c = (h_c @ W^T + b) / T        [chunk, V]   (never the whole [N, V])
+#     log p(target) = z_c[target] - logsumexp(z_c),  H = logsumexp(z_c) - sum softmax(z_c) * z_c
+#
+# and its backward recomputes z_c, forms dL/dz_c as ``_ChunkedLogprobEntropy`` does, and returns
+# dL/dh_c = dL/dz_c @ W (and dL/dW += dL/dz_c^T @ h_c when the output layer trains).
+
+FUSED_CHUNK_ROWS = 128  # positions per chunk: 128 x 49k x 4 bytes = 25 MB, reused from chunk to chunk
+FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
+"""Model types whose causal LM is ``lm_head(body(...).last_hidden_state)`` with nothing after the
+output layer (no logit soft-capping or scaling): the fused path computes exactly their logits.
+Others take the plain path (full logits, then ``_ChunkedLogprobEntropy``)."""
+
+
+def output_head(model: Any) -> tuple[Any, torch.nn.Linear] | None:
+    """``(body, output layer)`` of a causal LM whose logits are ``output_layer(body(...).last_hidden_state)``
+    (``FUSED_HEAD_MODEL_TYPES``, a plain ``nn.Linear`` head, LoRA or no adapter); None otherwise."""
+    base = model
+    peft_config = getattr(model, "peft_config", None)
+    if peft_config is not None:
+        if any(str(getattr(c, "peft_type", "")).split(".")[-1] != "LORA" for c in peft_config.values()):
+            return None  # prompt tuning & co. change the inputs in PeftModel.forward
+        base = model.get_base_model()
+    if getattr(getattr(base, "config", None), "model_type", None) not in FUSED_HEAD_MODEL_TYPES:
+        return None
+    body = getattr(base, getattr(base, "base_model_prefix", "") or "model", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if body is None or type(head) is not torch.nn.Linear:  # e.g. LoRA on the output layer
+        return None
+    return body, head
+
+
+def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
+    """``hidden @ weight^T + bias`` in ``dtype`` (the autocast dtype of the caller, else as given)."""
+    if dtype is not None:
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
+class _FusedHeadLogprobEntropy(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] or None, targets [N]) -> (log-probs [N], entropies [N]
+    or empty), float32, with the output layer applied chunk by chunk (see the section comment)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                chunk_rows: int, with_entropy: bool):
+        ctx.set_materialize_grads(False)
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(device_type, enabled=False):  # the casts are explicit, alike in forward and backward
+            for start in range(0, n, chunk_rows):
+                stop = start + chunk_rows
+                z = _head_logits(hidden[start:stop], weight, bias, dtype).float().div_(temperature)  # [n_c, V]
+                lse = torch.logsumexp(z, dim=-1)
+                logp[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
+                if with_entropy:
+                    entropy[start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.temperature, ctx.chunk_rows, ctx.with_entropy, ctx.dtype = temperature, chunk_rows, with_entropy, dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        if grad_logp is None and not use_entropy:
+            return None, None, None, None, None, None, None
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
+        head_dtype = ctx.dtype if ctx.dtype is not None else weight.dtype
+        weight_cast = weight.to(head_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], ctx.chunk_rows):
+                stop = start + ctx.chunk_rows
+                z = _head_logits(hidden[start:stop], weight, bias, ctx.dtype).float().div_(ctx.temperature)
+                log_p = torch.log_softmax(z, dim=-1)  # [n_c, V]
+                g = log_p.exp()  # p, turned into -dL/dz in place below
+                if use_entropy:  # dH/dz = -p (log p + H)
+                    g_h = grad_entropy[start:stop, None].float()
+                    scale = log_p.add_(entropy[start:stop, None]).mul_(g_h)  # (log p + H) g_H, log_p no longer needed
+                    if grad_logp is not None:
+                        scale.add_(grad_logp[start:stop, None].float())
+                    g.mul_(scale)
+                else:
+                    g.mul_(grad_logp[start:stop, None].float())
+                g.neg_()
+                if grad_logp is not None:  # d log p(target) / dz = onehot(target) - p
+                    g.scatter_add_(-1, targets[start:stop, None], grad_logp[start:stop, None].float())
+                g.div_(ctx.temperature)  # dz/dlogits = 1/T; g is now dL/dlogits [n_c, V]
+                if want_hidden:
+                    grad_hidden[start:stop] = (g.to(head_dtype) @ weight_cast).to(hidden.dtype)
+                if want_weight:
+                    grad_weight.addmm_(g.t(), hidden[start:stop].float())
+                if want_bias:
+                    grad_bias.add_(g.sum(0))
+        return (grad_hidden, grad_weight.to(weight.dtype) if want_weight else None,
+                grad_bias.to(bias.dtype) if want_bias else None, None, None, None, None)
+
+
+def _run_fused(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, temperature: float, chunk_rows: int,
+               with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """hidden [B, n, H], targets [B, n] -> (log-probs [B, n], entropies [B, n] or empty)."""
+    _check_temperature(temperature)
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = _FusedHeadLogprobEntropy.apply(flat, head.weight, head.bias, targets.reshape(-1).long(),
+                                                   float(temperature), int(chunk_rows), with_entropy)
+    return logp.reshape(lead), (entropy.reshape(lead) if with_entropy else entropy)
 
 
 def logprobs_from_logits(
@@ -153,6 +282,14 @@ def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_
 
     A model marked with ``model.autocast`` runs under ``torch.autocast`` (``train/precision.py``):
     the logits come out bfloat16 and the log-prob arithmetic upcasts them chunk by chunk."""
+    with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
+        return _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix)
+
+
+def _forward_kept(model: Any, body: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
+                  share_prefix: bool) -> Tensor:
+    """Positions ``first_column .. L-1`` of the model's output: logits [B, n, V] (``body`` None) or,
+    through ``body`` (``output_head``), the final hidden states [B, n, H] the output layer would read."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
@@ -164,39 +301,65 @@ def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_
         raise ValueError(f"first_column must be in [0, {length - 2}] for sequences of {length} tokens, got {first_column}")
     prefix = shared_prefix_length(input_ids, attention_mask, first_column) if share_prefix and not getattr(
         model, "training", False) else 0
-    with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
-        if prefix:
-            logits = _forward_after_prefix(model, input_ids, attention_mask, first_column, prefix)
-            if logits is not None:
-                return logits
-        kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
-        output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    if prefix:
+        out = _forward_after_prefix(model, body, input_ids, attention_mask, first_column, prefix)
+        if out is not None:
+            return out
+    if body is not None:
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return hidden[:, first_column:]  # [B, n, H]
+    kwargs = {"logits_to_keep": length - first_column} if first_column > 0 else {}
+    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = output.logits if hasattr(output, "logits") else output
     if logits.shape[1] != length - first_column:  # a model without logits_to_keep support
         logits = logits[:, first_column:].contiguous()
     return logits  # [B, L - first_column, V]
 
 
-def _forward_after_prefix(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
+def _forward_after_prefix(model: Any, body: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
                           prefix: int) -> Tensor | None:
     """The shared-prefix forward of :func:`forward_logits` (None when the model's cache is not a
-    plain full-attention one, whose rows can be repeated and extended exactly)."""
+    plain full-attention one, whose rows can be repeated and extended exactly); through ``body``,
+    hidden states instead of logits."""
     from transformers import DynamicCache
 
     rows, length = input_ids.shape
     cache = DynamicCache(config=getattr(model, "config", None))
-    model(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], cache=cache, use_cache=True,
-          logits_to_keep=1)
+    head_kwargs: dict[str, Any] = {} if body is not None else {"logits_to_keep": 1}
+    (body or model)(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], cache=cache,
+                    use_cache=True, **head_kwargs)
     if not _plain_cache_layers(cache):
         return None
     cache.batch_repeat_interleave(rows)  # [1, H, P, D] -> [B, H, P, D] per layer (differentiable)
     positions = torch.arange(prefix, length, device=input_ids.device)[None].expand(rows, -1)  # [B, L - P]
+    if body is not None:
+        hidden = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
+                      cache=cache, use_cache=True).last_hidden_state
+        return hidden[:, -(length - first_column):]  # [B, L - first_column, H]
     output = model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
                    cache=cache, use_cache=True, logits_to_keep=length - first_column)
     logits = output.logits
     if logits.shape[1] != length - first_column:
         logits = logits[:, -(length - first_column):].contiguous()
     return logits  # [B, L - first_column, V]
+
+
+def _logprobs_and_entropy(model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float, chunk_rows: int | None,
+                          first_column: int, share_prefix: bool, with_entropy: bool, fused_head: bool) -> tuple[Tensor, Tensor]:
+    """Target-aligned (log-probs [B, L-1], entropies [B, L-1] or empty): through the fused output
+    layer where the model allows it (``output_head``), else from full logits."""
+    _check_temperature(temperature)
+    targets = _shifted_targets(input_ids, first_column)
+    found = output_head(model) if fused_head else None
+    with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
+        if found is not None:
+            hidden = _forward_kept(model, found[0], input_ids, attention_mask, first_column, share_prefix)
+            logp, entropy = _run_fused(hidden, found[1], targets, temperature, chunk_rows or FUSED_CHUNK_ROWS, with_entropy)
+        else:
+            logits = _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix)
+    if found is None:
+        logp, entropy = _run(logits, targets, temperature, chunk_rows or DEFAULT_CHUNK_ROWS, with_entropy)
+    return pad_front(logp[:, :-1], first_column), (pad_front(entropy[:, :-1], first_column) if with_entropy else entropy)
 
 
 def _shifted_targets(input_ids: Tensor, first_column: int = 0) -> Tensor:
@@ -215,33 +378,34 @@ def pad_front(values: Tensor, first_column: int) -> Tensor:
 
 def token_logprobs(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0, share_prefix: bool = True,
+    chunk_rows: int | None = None, first_column: int = 0, share_prefix: bool = True, fused_head: bool = True,
 ) -> Tensor:
     """Log-prob of each next token under ``model``: [B, L] ids -> [B, L-1] float32 (target-aligned).
 
     Values at padded positions are meaningless; mask them with ``Batch.loss_mask``. Columns before
     ``first_column`` are not computed and hold 0 (pass ``Batch.first_loss_column``). The rows'
-    common prefix runs once (``share_prefix``, see ``forward_logits``).
+    common prefix runs once (``share_prefix``, see ``forward_logits``). ``fused_head``: apply the
+    output layer chunk by chunk inside the log-prob function where the model allows it (no [B, L, V]
+    logits; ``output_head``); False always takes full logits (the two agree to float rounding).
+    ``chunk_rows``: positions per chunk (default ``FUSED_CHUNK_ROWS`` fused, ``DEFAULT_CHUNK_ROWS`` not).
     """
-    logits = forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
-    logp, _ = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=False)
-    return pad_front(logp[:, :-1], first_column)
+    return _logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_rows, first_column, share_prefix,
+                                 with_entropy=False, fused_head=fused_head)[0]
 
 
 def token_logprobs_and_entropy(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS, first_column: int = 0, share_prefix: bool = True,
+    chunk_rows: int | None = None, first_column: int = 0, share_prefix: bool = True, fused_head: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass;
-    columns before ``first_column`` hold 0."""
-    logits = forward_logits(model, input_ids, attention_mask, first_column, share_prefix)
-    logp, entropy = _run(logits, _shifted_targets(input_ids, first_column), temperature, chunk_rows, with_entropy=True)
-    return pad_front(logp[:, :-1], first_column), pad_front(entropy[:, :-1], first_column)
+    columns before ``first_column`` hold 0 (arguments as ``token_logprobs``)."""
+    return _logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_rows, first_column, share_prefix,
+                                 with_entropy=True, fused_head=fused_head)
 
 
 # the names these had while only this module used them (kept for callers of the old names)
 _forward_logits = forward_logits
 _pad_front = pad_front
 
-__all__ = ["MIN_SHARED_PREFIX", "forward_logits", "logprobs_from_logits", "pad_front", "shared_prefix_length",
+__all__ = ["FUSED_CHUNK_ROWS", "FUSED_HEAD_MODEL_TYPES", "MIN_SHARED_PREFIX", "forward_logits", "output_head", "logprobs_from_logits", "pad_front", "shared_prefix_length",
            "token_entropy", "token_logprobs", "token_logprobs_and_entropy"]

@@ -1,0 +1,121 @@
+"""The RL update of the demo's RL stage by micro-batch and output layer, side by side.
+
+One RL update (``policy_update``: PPO-clip, log-probs and entropy, backward, AdamW step) on a batch
+shaped like the demo's: ``--tasks`` groups of 6 three-call calculator episodes (the env's expert
+episodes, 4 turns each, about 500 tokens of which the first two thirds are the shared prompt),
+advantages +-1, engine log-probs present (no re-scoring), float32, LoRA r=16 on SmolLM2-135M. Each
+setting runs in its own process (its peak RSS is its own):
+
+- ``1 row a pass, full logits``: the demo's RL update until 2026-12-06;
+- ``6 rows a pass, full logits``: a group a pass, its prompt run once (the shared prefix), with the
+  model's [B, L, V] logits;
+- ``6 rows a pass`` and ``1 row a pass``: the same with the fused output layer
+  (``tracegym/train/logprobs.py``: no [B, L, V] logits).
+
+Run from the repository root, nothing else on the CPU::
+
+    .venv/bin/python bench/rl_update.py [--tasks 4] [--updates 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SETTINGS = {  # name: (micro-batch rows, fused output layer)
+    "1 row a pass, full logits": (1, False),
+    "6 rows a pass, full logits": (6, False),
+    "1 row a pass": (1, True),
+    "6 rows a pass": (6, True),
+}
+
+
+def run_setting(name: str, tasks: int, updates: int) -> dict:
+    import torch
+
+    import tracegym.train.logprobs as logprobs
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.batch import examples_from_groups, make_batch
+    from tracegym.envs import make
+    from tracegym.recipes._run import split_tasks
+    from tracegym.recipes.demo import DemoConfig, rl_stage_config
+    from tracegym.rl.collect import expert_episodes
+    from tracegym.rl.policy import load_policy, make_renderer
+    from tracegym.train.optim import build_optimizer, build_scheduler
+    from tracegym.train.policy_update import policy_update
+    from tracegym.types import TrajectoryGroup
+
+    micro_batch_size, fused = SETTINGS[name]
+    if not fused:
+        logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
+    cfg = rl_stage_config(DemoConfig(autocast="none"), "unused", "/tmp/bench-rl-update")
+    cfg.model.adapter = None  # a fresh adapter: the same arithmetic as the SFT one
+    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
+    model, tokenizer, _ = load_policy(cfg, loss_cfg, torch.device("cpu"))
+    renderer = make_renderer(cfg, tokenizer)
+    train_tasks, _ = split_tasks(cfg, make(cfg.env.name, **cfg.env.options))
+    episodes = list(expert_episodes(cfg, train_tasks[: 2 * tasks], renderer, seed=1).values())[:tasks]
+    group_size = DemoConfig().rl_group_size
+    groups = [TrajectoryGroup(task_id=e.task_id, env=cfg.env.name, trajectories=tuple([e] * group_size)) for e in episodes]
+    advantages = [[[1.0 if i % 2 else -1.0] * len(e.turns) for i in range(group_size)] for e in episodes]
+    data = examples_from_groups(groups, renderer, advantages)
+    batch = make_batch(data.examples, pad_token_id=tokenizer.pad_token_id, group_ids=data.group_index,
+                       trajectory_ids=data.trajectory_ids)
+    batch = dataclasses.replace(batch, has_engine_logprobs=torch.ones_like(batch.has_engine_logprobs))  # as sampled
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, updates)
+    seconds, losses = [], []
+    for _ in range(updates):
+        start = time.perf_counter()
+        metrics = policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=micro_batch_size,
+                                temperature=0.7, max_grad_norm=1.0)
+        seconds.append(time.perf_counter() - start)
+        losses.append(metrics["train/loss"])
+    return {"update_s": seconds, "loss": losses[0], "rows": batch.size, "tokens": int(batch.attention_mask.sum()),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=4, help="groups of 6 episodes in the batch")
+    parser.add_argument("--updates", type=int, default=2, help="timed updates per setting")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 2))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print("RESULT " + json.dumps(run_setting(args.worker, args.tasks, args.updates)), flush=True)
+        return 0
+
+    from stages import run_side
+
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
+    results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--tasks", str(args.tasks),
+                               "--updates", str(args.updates), "--threads", str(args.threads)], name) for name in SETTINGS}
+    first = next(iter(results.values()))
+    base = statistics.median(first["update_s"])
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | smollm2-135m float32, "
+          f"LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 three-call episodes, {first['tokens']} tokens), "
+          f"{args.updates} timed updates per setting")
+    print("| setting | median s/update | updates (s) | vs the first | loss | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        median = statistics.median(r["update_s"])
+        print(f"| {name} | {median:.1f} | {' '.join(f'{s:.1f}' for s in r['update_s'])} | {base / median:.2f}x | "
+              f"{r['loss']:.5f} | {r['peak_rss_mb']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
