@@ -6,11 +6,11 @@ episodes, 4 turns each, about 500 tokens of which the first two thirds are the s
 advantages +-1, engine log-probs present (no re-scoring), float32, LoRA r=16 on SmolLM2-135M. Each
 setting runs in its own process (its peak RSS is its own):
 
-- ``1 row a pass, full logits``: the demo's RL update until 2026-12-06;
-- ``6 rows a pass, full logits``: a group a pass, its prompt run once (the shared prefix), with the
-  model's [B, L, V] logits;
-- ``6 rows a pass`` and ``1 row a pass``: the same with the fused output layer
-  (``tracegym/train/logprobs.py``: no [B, L, V] logits).
+- ``1 row a pass, full logits, 1024-position chunks``: the demo's RL update until 2026-12-06 (the
+  model's [B, L, V] logits, then the log-prob and entropy pass in chunks of 1024 positions);
+- ``6 rows a pass``: a group a pass, its prompt run once (the shared prefix);
+- ``full logits`` against the fused output layer (``tracegym/train/logprobs.py``: no [B, L, V]
+  logits), and the positions per chunk of the log-prob pass (32 now).
 
 Run from the repository root, nothing else on the CPU::
 
@@ -24,18 +24,19 @@ import dataclasses
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {  # name: (micro-batch rows, fused output layer)
-    "1 row a pass, full logits": (1, False),
-    "6 rows a pass, full logits": (6, False),
-    "1 row a pass": (1, True),
-    "6 rows a pass": (6, True),
+SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-prob chunk)
+    "1 row a pass, full logits, 1024-position chunks": (1, False, 1024),
+    "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024),
+    "1 row a pass, full logits": (1, False, 32),
+    "6 rows a pass, full logits": (6, False, 32),
+    "6 rows a pass, fused, 128-position chunks": (6, True, 128),
+    "6 rows a pass": (6, True, 32),
 }
 
 
@@ -54,9 +55,10 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
     from tracegym.train.policy_update import policy_update
     from tracegym.types import TrajectoryGroup
 
-    micro_batch_size, fused = SETTINGS[name]
+    micro_batch_size, fused, chunk_rows = SETTINGS[name]
     if not fused:
         logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
+    logprobs.DEFAULT_CHUNK_ROWS = logprobs.FUSED_CHUNK_ROWS = chunk_rows
     cfg = rl_stage_config(DemoConfig(autocast="none"), "unused", "/tmp/bench-rl-update")
     cfg.model.adapter = None  # a fresh adapter: the same arithmetic as the SFT one
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
@@ -98,22 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_setting(args.worker, args.tasks, args.updates)), flush=True)
         return 0
 
-    from stages import run_side
+    from stages import print_settings_table, run_side
 
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
     results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--tasks", str(args.tasks),
                                "--updates", str(args.updates), "--threads", str(args.threads)], name) for name in SETTINGS}
     first = next(iter(results.values()))
-    base = statistics.median(first["update_s"])
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | smollm2-135m float32, "
           f"LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 three-call episodes, {first['tokens']} tokens), "
           f"{args.updates} timed updates per setting")
-    print("| setting | median s/update | updates (s) | vs the first | loss | peak RSS (MB) |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        median = statistics.median(r["update_s"])
-        print(f"| {name} | {median:.1f} | {' '.join(f'{s:.1f}' for s in r['update_s'])} | {base / median:.2f}x | "
-              f"{r['loss']:.5f} | {r['peak_rss_mb']:.0f} |")
+    print_settings_table(results, "update_s", "update", "loss", 1)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 The same optimizer steps as ``bench/sft_vs_plain.py`` (its ``build_job``: scripted expert calculator
 traces through ``load_sft_examples``, ``train_sft``'s batch order, LoRA r=16 on SmolLM2-135M, AdamW,
-clip 1.0), run in three settings, each in its own subprocess (so each peak RSS is its own):
+clip 1.0), run in the settings below, each in its own subprocess (so each peak RSS is its own):
 
 - ``float32, 1 row a pass, train mode``: the demo's SFT until 2026-12-06 (every row's forward whole);
 - ``float32, 8 rows a pass, eval mode`` (full logits, then with the fused output layer of
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_setting(job, list(SETTINGS)[int(index)])), flush=True)
         return 0
 
-    from stages import run_side
+    from stages import print_settings_table, run_side
 
     sft_vs_plain.ENV_OPTIONS = {"num_calls": args.num_calls}
     job_args = argparse.Namespace(model=args.model, episodes=args.episodes, steps=args.steps, warmup=args.warmup,
@@ -92,17 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
         results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", str(i), str(job_file)], name)
                    for i, name in enumerate(SETTINGS) if args.only in name}
-    base = statistics.median(next(iter(results.values()))["step_s"])
     lengths = [len(e["input_ids"]) for e in job["examples"]]
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | {args.model}, "
           f"{len(job['examples'])} expert calculator traces (num_calls={args.num_calls}, {min(lengths)}-{max(lengths)} "
           f"tokens, mean {statistics.fmean(lengths):.0f}), batch 8, {args.warmup} warmup + {args.steps} timed steps, LoRA r=16")
-    print("| setting | median s/step | timed steps (s) | vs the first | first step loss | peak RSS (MB) |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        median = statistics.median(r["step_s"])
-        print(f"| {name} | {median:.2f} | {' '.join(f'{s:.2f}' for s in r['step_s'])} | {base / median:.2f}x | "
-              f"{r['first_loss']:.4f} | {r['peak_rss_mb']:.0f} |")
+    print_settings_table(results, "step_s", "step", "first_loss", 2)
     return 0
 
 

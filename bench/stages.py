@@ -5,6 +5,7 @@ and read its result line, and write a stage's YAML config."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -44,3 +45,15 @@ def run_side(command: list[str], side: str) -> dict:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
         raise SystemExit(f"the {side} side failed (exit {done.returncode})")
     return json.loads(lines[-1][len(marker):])
+
+
+def print_settings_table(results: dict[str, dict], times: str, unit: str, loss: str, digits: int) -> None:
+    """A settings benchmark's table: per setting (``results[name]`` from ``run_side``), the median of
+    its ``times`` list, the timed values, the speed ratio to the first setting, its ``loss`` and peak RSS."""
+    base = statistics.median(next(iter(results.values()))[times])
+    print(f"| setting | median s/{unit} | timed {unit}s (s) | vs the first | {loss.replace('_', ' ')} | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        median = statistics.median(r[times])
+        print(f"| {name} | {median:.{digits}f} | {' '.join(f'{s:.{digits}f}' for s in r[times])} | {base / median:.2f}x | "
+              f"{r[loss]:.5f} | {r['peak_rss_mb']:.0f} |")

@@ -83,14 +83,15 @@ def test_first_column_skips_the_output_layer_but_changes_nothing_trained(tiny_mo
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
     calls = []
-    handle = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[1]))
+    plain_forward = model.lm_head.forward
+    model.lm_head.forward = lambda hidden: calls.append(hidden.shape[1]) or plain_forward(hidden)  # counts, no hook
     try:
         token_logprobs(model, ids, mask, first_column=first, fused_head=False)
         assert calls == [12 - first]  # the output layer saw only the kept positions
         token_logprobs(model, ids, mask, first_column=first)
         assert calls == [12 - first]  # fused: the output layer's weight is used chunk by chunk, no [B, L, V] call
     finally:
-        handle.remove()
+        del model.lm_head.forward
     with pytest.raises(ValueError, match="first_column"):
         token_logprobs(model, ids, mask, first_column=11)
 
@@ -133,7 +134,10 @@ def test_fused_output_layer_equals_full_logits_in_values_and_gradients(entropy_w
     for fused in (False, True):
         model.zero_grad(set_to_none=True)
         lp, h = token_logprobs_and_entropy(model, ids, mask, temperature=0.7, first_column=20, chunk_rows=3, fused_head=fused)
-        ((lp * weights).sum() + entropy_weight * (h * weights).sum()).backward()
+        loss = (lp * weights).sum()
+        if entropy_weight:  # else the entropy stays out of the graph: its gradient arrives as None
+            loss = loss + entropy_weight * (h * weights).sum()
+        loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((lp * mask[:, 1:], h * mask[:, 1:], grads))
     (lp_a, h_a, g_a), (lp_b, h_b, g_b) = results
@@ -165,27 +169,64 @@ def test_fused_output_layer_trains_the_output_weights_like_full_logits():
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6 * float(grads[0][name].abs().max()), rtol=0, msg=name)
 
 
-def test_fused_output_layer_under_bfloat16_autocast_matches_the_model():
-    """Under ``model.autocast`` the fused layer multiplies in bfloat16 as the model's own output layer
-    does, so its log-probs equal those from the model's bfloat16 logits (up to chunk shapes)."""
-    from tracegym.train.logprobs import token_logprobs
-    from tracegym.train.precision import set_training_autocast
+def test_fused_output_layer_under_bfloat16_autocast_multiplies_in_bfloat16():
+    """Under autocast the fused function multiplies in bfloat16 as the model's own output layer
+    would (autocast's linear): its log-probs, entropies and hidden-state gradients equal those of a
+    bfloat16 ``F.linear`` with float32 softmax arithmetic, and differ from a float32 head's by far
+    more than float rounding. The weight is scaled up so that bfloat16 rounding shows."""
+    from tracegym.train.logprobs import _FusedHeadLogprobEntropy
 
-    model = _lora_copy(dtype=torch.float32)
-    set_training_autocast(model, torch.bfloat16)
-    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    fused = token_logprobs(model, ids, mask, first_column=5)
-    full = token_logprobs(model, ids, mask, first_column=5, fused_head=False)
-    torch.testing.assert_close(fused, full, atol=2e-2, rtol=0)
-    set_training_autocast(model, None)
-    exact = token_logprobs(model, ids, mask, first_column=5)
-    assert (fused - exact).abs().max() > 1e-5  # it really ran in bfloat16
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 16, generator=gen)
+    weight = torch.randn(300, 16, generator=gen) * 3.0
+    targets = torch.randint(0, 300, (10,), generator=gen)
+    upstream = torch.randn(10, generator=gen)
+
+    def reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = hidden.clone().requires_grad_()
+        z = torch.nn.functional.linear(h.to(dtype), weight.to(dtype)).float() / 0.8
+        logp = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+        entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+        ((logp + 0.5 * entropy) * upstream).sum().backward()
+        return logp.detach(), entropy.detach(), h.grad
+
+    h = hidden.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = _FusedHeadLogprobEntropy.apply(h, weight, None, targets, 0.8, 4, True)
+    ((logp + 0.5 * entropy) * upstream).sum().backward()
+    bf16, fp32 = reference(torch.bfloat16), reference(torch.float32)
+    torch.testing.assert_close(logp, bf16[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, bf16[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h.grad, bf16[2], atol=2e-2, rtol=2e-2)  # bfloat16 matmul in the backward too
+    assert (logp - fp32[0]).abs().max() > 1e-2  # really bfloat16: far from the float32 head
+
+
+def test_fused_output_layer_with_a_bias_and_an_entropy_only_loss():
+    """A biased output layer (no supported model has one; the function supports it) against autograd
+    through full logits: values and the hidden, weight and bias gradients of a loss on the entropy
+    alone (the log-prob output unused: its gradient arrives as None)."""
+    from tracegym.train.logprobs import _FusedHeadLogprobEntropy
+
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight, bias = (torch.randn(7, 12, generator=gen, dtype=torch.float64), torch.randn(
+        40, 12, generator=gen, dtype=torch.float64), torch.randn(40, generator=gen, dtype=torch.float64))
+    targets = torch.randint(0, 40, (7,), generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    _, entropy = _FusedHeadLogprobEntropy.apply(*leaves, targets, 1.5, 3, True)
+    (entropy * torch.arange(7.0)).sum().backward()
+    expected = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    z = torch.nn.functional.linear(*expected).float() / 1.5
+    reference = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    (reference * torch.arange(7.0)).sum().backward()
+    torch.testing.assert_close(entropy, reference, atol=1e-6, rtol=0)
+    for got, want in zip(leaves, expected):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5 * float(want.grad.abs().max()), rtol=0)
 
 
 def test_models_the_fused_layer_cannot_reproduce_take_full_logits():
     """``output_head`` refuses what would change the logits: an unknown architecture (soft-capping,
-    logit scaling may follow the output layer) and LoRA on the output layer itself."""
+    logit scaling may follow the output layer), LoRA on the output layer itself, a hooked output
+    layer, aLoRA; such a model goes through its own output layer."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
     from tracegym.models import load
@@ -198,6 +239,17 @@ def test_models_the_fused_layer_cannot_reproduce_take_full_logits():
     other, _ = load("tiny-random")
     other.config.model_type = "gemma2"
     assert output_head(other) is None
+    hooked, _ = load("tiny-random")
+    hooked.lm_head.register_forward_hook(lambda m, i, o: None)
+    assert output_head(hooked) is None  # a hook (offloading, a user's) expects the layer to be called
+    alora = get_peft_model(load("tiny-random")[0], PeftLora(r=2, target_modules=["q_proj"]))
+    assert output_head(alora) is not None
+    alora.peft_config["default"].alora_invocation_tokens = [5, 6]  # aLoRA: PeftModel.forward computes its offsets
+    assert output_head(alora) is None
     ids = torch.randint(3, 1000, (1, 8), generator=torch.Generator().manual_seed(4))
+    calls = []
+    plain_forward = other.lm_head.forward
+    other.lm_head.forward = lambda hidden: calls.append(1) or plain_forward(hidden)
     torch.testing.assert_close(token_logprobs(other, ids, torch.ones_like(ids)),
                                token_logprobs(model, ids, torch.ones_like(ids), fused_head=False))
+    assert calls == [1]  # the refused model went through its own output layer

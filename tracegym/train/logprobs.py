@@ -96,12 +96,12 @@ def _run(logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows:
 
 # --- the fused output layer ------------------------------------------------------------------------
 #
-# Why by hand: the [B, L, V] logits of an agent episode are the largest tensors of a training step
-# (4 rows x 166 kept positions x 49k vocab x 4 bytes = 130 MB, and as much again for their gradient),
-# and on a CPU most of their cost is memory traffic, not arithmetic: measured on a 135M model, the
-# log-prob and entropy pass over full logits took a third of an RL micro-batch. The libraries that
-# fuse the output layer with the loss (Liger-Kernel, Apple's Cut Cross-Entropy) are Triton kernels
-# for GPUs. Here the output layer runs chunk by chunk of positions inside one autograd function:
+# Why: the [B, L, V] logits of an agent episode are the largest tensors of a training step (6 rows x
+# 172 kept positions x 49k vocab x 4 bytes = 200 MB, and as much again for their gradient), all for
+# a few kilobytes of log-probs. Without them the demo's RL update peaks 0.5 GB lower
+# (bench/rl_update.py; its time within the measurements' scatter). Why by hand: the libraries that fuse the output layer with the loss
+# (Liger-Kernel, Apple's Cut Cross-Entropy) are Triton kernels for GPUs. Here the output layer runs
+# chunk by chunk of positions inside one autograd function:
 #
 #     z_c = (h_c @ W^T + b) / T        [chunk, V]   (never the whole [N, V])
 #     log p(target) = z_c[target] - logsumexp(z_c),  H = logsumexp(z_c) - sum softmax(z_c) * z_c
@@ -119,27 +119,32 @@ Others take the plain path (full logits, then ``_ChunkedLogprobEntropy``)."""
 def output_head(model: Any) -> tuple[Any, torch.nn.Linear] | None:
     """``(body, output layer)`` of a causal LM whose logits are ``output_layer(body(...).last_hidden_state)``
     (``FUSED_HEAD_MODEL_TYPES``, a plain ``nn.Linear`` head, LoRA or no adapter); None otherwise."""
-    base = model
-    peft_config = getattr(model, "peft_config", None)
-    if peft_config is not None:
-        if any(str(getattr(c, "peft_type", "")).split(".")[-1] != "LORA" for c in peft_config.values()):
-            return None  # prompt tuning & co. change the inputs in PeftModel.forward
-        base = model.get_base_model()
+    peft_config = getattr(model, "peft_config", None) or {}
+    if any(str(getattr(c, "peft_type", "")).split(".")[-1] != "LORA" or getattr(c, "alora_invocation_tokens", None)
+           for c in peft_config.values()):
+        return None  # prompt tuning & co. change the inputs, aLoRA its offsets, in PeftModel.forward
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(getattr(base, "config", None), "model_type", None) not in FUSED_HEAD_MODEL_TYPES:
         return None
     body = getattr(base, getattr(base, "base_model_prefix", "") or "model", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if body is None or type(head) is not torch.nn.Linear:  # e.g. LoRA on the output layer
         return None
+    if head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"):
+        return None  # something (offloading, a user's hook) expects the layer to be called
     return body, head
 
 
 def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
-    """``hidden @ weight^T + bias`` in ``dtype`` (the autocast dtype of the caller, else as given)."""
-    if dtype is not None:
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    return torch.nn.functional.linear(hidden, weight, bias)
+    """``hidden @ weight^T + bias`` in ``dtype`` (the autocast dtype of the caller, else as given;
+    ``weight`` and ``bias`` come already cast, once per pass)."""
+    return torch.nn.functional.linear(hidden.to(dtype) if dtype is not None else hidden, weight, bias)
+
+
+def _cast_head(weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    if dtype is None:
+        return weight, bias
+    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 class _FusedHeadLogprobEntropy(torch.autograd.Function):
@@ -156,9 +161,10 @@ class _FusedHeadLogprobEntropy(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(device_type, enabled=False):  # the casts are explicit, alike in forward and backward
+            head_weight, head_bias = _cast_head(weight, bias, dtype)
             for start in range(0, n, chunk_rows):
                 stop = start + chunk_rows
-                z = _head_logits(hidden[start:stop], weight, bias, dtype).float().div_(temperature)  # [n_c, V]
+                z = _head_logits(hidden[start:stop], head_weight, head_bias, dtype).float().div_(temperature)  # [n_c, V]
                 lse = torch.logsumexp(z, dim=-1)
                 logp[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
                 if with_entropy:
@@ -177,12 +183,11 @@ class _FusedHeadLogprobEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
-        head_dtype = ctx.dtype if ctx.dtype is not None else weight.dtype
-        weight_cast = weight.to(head_dtype)
+        head_weight, head_bias = _cast_head(weight, bias, ctx.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk_rows):
                 stop = start + ctx.chunk_rows
-                z = _head_logits(hidden[start:stop], weight, bias, ctx.dtype).float().div_(ctx.temperature)
+                z = _head_logits(hidden[start:stop], head_weight, head_bias, ctx.dtype).float().div_(ctx.temperature)
                 log_p = torch.log_softmax(z, dim=-1)  # [n_c, V]
                 g = log_p.exp()  # p, turned into -dL/dz in place below
                 if use_entropy:  # dH/dz = -p (log p + H)
@@ -198,7 +203,7 @@ class _FusedHeadLogprobEntropy(torch.autograd.Function):
                     g.scatter_add_(-1, targets[start:stop, None], grad_logp[start:stop, None].float())
                 g.div_(ctx.temperature)  # dz/dlogits = 1/T; g is now dL/dlogits [n_c, V]
                 if want_hidden:
-                    grad_hidden[start:stop] = (g.to(head_dtype) @ weight_cast).to(hidden.dtype)
+                    grad_hidden[start:stop] = (g.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
                 if want_weight:
                     grad_weight.addmm_(g.t(), hidden[start:stop].float())
                 if want_bias:
@@ -213,6 +218,8 @@ def _run_fused(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, temperatu
     _check_temperature(temperature)
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} do not match targets {tuple(targets.shape)}")
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, entropy = _FusedHeadLogprobEntropy.apply(flat, head.weight, head.bias, targets.reshape(-1).long(),
@@ -354,11 +361,12 @@ def _logprobs_and_entropy(model: Any, input_ids: Tensor, attention_mask: Tensor,
     with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
         if found is not None:
             hidden = _forward_kept(model, found[0], input_ids, attention_mask, first_column, share_prefix)
-            logp, entropy = _run_fused(hidden, found[1], targets, temperature, chunk_rows or FUSED_CHUNK_ROWS, with_entropy)
+            logp, entropy = _run_fused(hidden, found[1], targets, temperature,
+                                        FUSED_CHUNK_ROWS if chunk_rows is None else chunk_rows, with_entropy)
         else:
             logits = _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix)
     if found is None:
-        logp, entropy = _run(logits, targets, temperature, chunk_rows or DEFAULT_CHUNK_ROWS, with_entropy)
+        logp, entropy = _run(logits, targets, temperature, DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows, with_entropy)
     return pad_front(logp[:, :-1], first_column), (pad_front(entropy[:, :-1], first_column) if with_entropy else entropy)
 
 

@@ -1,9 +1,9 @@
 """Mixed precision for the training forward passes (``model.autocast``), and when training needs train mode.
 
 ``model.autocast: bfloat16`` runs every training forward (SFT, the RL update, DPO, distillation,
-the drift and probe measures: everything that goes through ``forward_logits``) under
+the drift and probe measures: everything that goes through ``token_logprobs`` or ``forward_logits``) under
 ``torch.autocast``: matmuls in bfloat16, weights, gradients, optimizer state and the log-prob /
-loss arithmetic (``logprobs_from_logits`` works in float32) stay float32. On a CPU with AMX or
+loss arithmetic (the log-prob functions of ``train/logprobs.py`` work in float32) stay float32. On a CPU with AMX or
 AVX512-BF16 the matmuls run about twice as fast (an SFT step of 8 three-call calculator traces on
 this project's 2-core VM: 5.1 s against 11.4 s, bench/README.md); on a CPU without them bfloat16
 is emulated and slower, so ``auto`` turns it on only where the hardware computes it natively.
