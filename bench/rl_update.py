@@ -100,15 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_setting(args.worker, args.tasks, args.updates)), flush=True)
         return 0
 
-    from stages import print_settings_table, run_side
+    from stages import machine_line, print_settings_table, run_settings
 
-    os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
-    results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--tasks", str(args.tasks),
-                               "--updates", str(args.updates), "--threads", str(args.threads)], name) for name in SETTINGS}
+    results = run_settings(__file__, {name: [name, "--tasks", str(args.tasks), "--updates", str(args.updates), "--threads",
+                                             str(args.threads)] for name in SETTINGS})
     first = next(iter(results.values()))
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | smollm2-135m float32, "
-          f"LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 three-call episodes, {first['tokens']} tokens), "
-          f"{args.updates} timed updates per setting")
+    print(f"{machine_line(args.threads)} | smollm2-135m float32, LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 "
+          f"three-call episodes, {first['tokens']} tokens), {args.updates} timed updates per setting")
     print_settings_table(results, "update_s", "update", "loss", 1)
     return 0
 

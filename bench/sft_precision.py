@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_setting(job, list(SETTINGS)[int(index)])), flush=True)
         return 0
 
-    from stages import print_settings_table, run_side
+    from stages import machine_line, print_settings_table, run_settings
 
     sft_vs_plain.ENV_OPTIONS = {"num_calls": args.num_calls}
     job_args = argparse.Namespace(model=args.model, episodes=args.episodes, steps=args.steps, warmup=args.warmup,
@@ -89,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         job = sft_vs_plain.build_job(job_args, Path(tmp))
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job), encoding="utf-8")
-        os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the CLI's setting (tracegym/cli.py), inherited by the workers
-        results = {name: run_side([sys.executable, str(Path(__file__).resolve()), "--worker", str(i), str(job_file)], name)
-                   for i, name in enumerate(SETTINGS) if args.only in name}
+        results = run_settings(__file__, {name: [str(i), str(job_file)] for i, name in enumerate(SETTINGS) if args.only in name})
     lengths = [len(e["input_ids"]) for e in job["examples"]]
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {args.threads} torch threads | {args.model}, "
+    print(f"{machine_line(args.threads)} | {args.model}, "
           f"{len(job['examples'])} expert calculator traces (num_calls={args.num_calls}, {min(lengths)}-{max(lengths)} "
           f"tokens, mean {statistics.fmean(lengths):.0f}), batch 8, {args.warmup} warmup + {args.steps} timed steps, LoRA r=16")
     print_settings_table(results, "step_s", "step", "first_loss", 2)

@@ -5,6 +5,7 @@ and read its result line, and write a stage's YAML config."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,3 +58,18 @@ def print_settings_table(results: dict[str, dict], times: str, unit: str, loss: 
         median = statistics.median(r[times])
         print(f"| {name} | {median:.{digits}f} | {' '.join(f'{s:.{digits}f}' for s in r[times])} | {base / median:.2f}x | "
               f"{r[loss]:.5f} | {r['peak_rss_mb']:.0f} |")
+
+
+def run_settings(script: str, worker_args: dict[str, list[str]]) -> dict[str, dict]:
+    """Each setting of a side-by-side benchmark in its own process (``script --worker ...`` with its
+    arguments), with glibc's malloc arenas capped at 2 as the CLI does (tracegym/cli.py)."""
+    if not worker_args:
+        raise SystemExit("no setting selected")
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # inherited by the workers
+    return {name: run_side([sys.executable, str(Path(script).resolve()), "--worker", *extra], name)
+            for name, extra in worker_args.items()}
+
+
+def machine_line(threads: int) -> str:
+    """When and on what a benchmark ran: the start of its header line."""
+    return f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {threads} torch threads"
