@@ -1,5 +1,5 @@
 """Memory stays flat over many RL steps: the process RSS that ``train_rl`` logs every step (``rss_mb``,
-current resident memory from /proc) may not grow by more than 5% from step 10 to step 50 on
+current resident memory from /proc) may not grow by more than 5% from steps 6-15 to steps 41-50 on
 tiny-random. A leak of one batch per step (tensors kept in a list, an ever-growing cache, the
 engine's turn store not dropped on new weights) grows it steadily and fails this.
 
@@ -50,5 +50,8 @@ def test_rss_is_flat_over_50_rl_steps(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-2000:]
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(rss) == 50
-    warm, last = rss[9], rss[-1]
-    assert last <= 1.05 * warm, f"RSS grew from {warm:.0f} MB at step 10 to {last:.0f} MB at step 50: {rss}"
+    # the high-water mark of steps 6-15 against that of steps 41-50: the allocator keeps or returns
+    # a block of tens of MB from step to step (RSS alternates between two levels, measured 440 and
+    # 507 MB), so two single steps can differ by that much; a leak raises every later step's RSS
+    warm, last = max(rss[5:15]), max(rss[-10:])
+    assert last <= 1.05 * warm, f"RSS grew from {warm:.0f} MB (max of steps 6-15) to {last:.0f} MB (steps 41-50): {rss}"
