@@ -35,7 +35,7 @@ SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-p
     "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024),
     "1 row a pass, full logits": (1, False, 32),
     "6 rows a pass, full logits": (6, False, 32),
-    "6 rows a pass, fused, 128-position chunks": (6, True, 128),
+    "6 rows a pass, 128-position chunks": (6, True, 128),
     "6 rows a pass": (6, True, 32),
 }
 

@@ -142,8 +142,8 @@ class DemoConfig(_Section):
     """Sequences per forward/backward pass of the RL update: the group size, so a pass holds one
     task's samples, whose prompt (system prompt, tool schemas, question: two thirds of a 3-call
     episode) the forward runs once. Measured on 12 three-call rows in float32 on a 2-core EPYC
-    (``bench/rl_update.py``): 24.5 s an update at 6 rows a pass (4.5 GiB peak) against 40.3 s at 1
-    (2.7 GiB). A guided group has a 7th row (the expert's), so passes then straddle groups."""
+    (``bench/rl_update.py``): 21.9 s an update at 6 rows a pass (4450 MiB peak) against 38.4 s at 1
+    with the log-prob pass of before (2721 MiB). A guided group has a 7th row (the expert's), so passes then straddle groups."""
 
     sft_micro_batch_size: int = Field(4, gt=0)
     """Sequences per forward/backward pass of SFT: the rows of a pass share the system prompt and
