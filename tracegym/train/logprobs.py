@@ -37,6 +37,34 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0 for log-probs (greedy has no distribution), got {temperature}")
 
 
+def _chunk_values(z: Tensor, targets: Tensor | None, with_entropy: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Scaled logits z [n_c, V] (float32) -> (log p(target) [n_c] or None, entropy [n_c] or None)."""
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse if targets is not None else None
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
+def _chunk_grad(z: Tensor, targets: Tensor | None, grad_logp: Tensor | None, grad_entropy: Tensor | None,
+                entropy: Tensor | None, temperature: float) -> Tensor:
+    """dL/dlogits [n_c, V] of one chunk from its scaled logits z (float32, consumed), the upstream
+    gradients [n_c] (None: that output unused) and the saved entropies:
+    d log p(target) / dz = onehot(target) - p, dH / dz = -p (log p + H), dz / dlogits = 1 / T."""
+    log_p = torch.log_softmax(z, dim=-1)
+    g = log_p.exp()  # p, turned into -dL/dz in place below
+    if grad_entropy is not None:
+        scale = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None].float())  # (log p + H) g_H
+        if grad_logp is not None:
+            scale.add_(grad_logp[:, None].float())
+        g.mul_(scale)
+    else:
+        g.mul_(grad_logp[:, None].float())
+    g.neg_()
+    if grad_logp is not None:
+        g.scatter_add_(-1, targets[:, None], grad_logp[:, None].float())
+    return g.div_(temperature)
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """(flat logits [N, V], targets [N] or None) -> (log-probs [N], entropies [N] or empty), float32."""
 
@@ -47,12 +75,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logp = torch.zeros(n if targets is not None else 0, dtype=torch.float32, device=logits.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, n, chunk_rows):
-            z = logits[start : start + chunk_rows].float() / temperature  # [n_c, V], the one temporary
-            lse = torch.logsumexp(z, dim=-1)
-            if targets is not None:
-                logp[start : start + chunk_rows] = z.gather(-1, targets[start : start + chunk_rows, None]).squeeze(-1) - lse
-            if with_entropy:
-                entropy[start : start + chunk_rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            stop = start + chunk_rows
+            z = logits[start:stop].float() / temperature  # [n_c, V], the one temporary
+            values = _chunk_values(z, targets[start:stop] if targets is not None else None, with_entropy)
+            if values[0] is not None:
+                logp[start:stop] = values[0]
+            if values[1] is not None:
+                entropy[start:stop] = values[1]
         ctx.save_for_backward(logits, targets if targets is not None else torch.empty(0), entropy)
         ctx.temperature, ctx.chunk_rows, ctx.has_targets, ctx.with_entropy = temperature, chunk_rows, targets is not None, with_entropy
         return logp, entropy
@@ -68,16 +97,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             stop = start + ctx.chunk_rows
             z = logits[start:stop].float() / ctx.temperature
-            log_p = torch.log_softmax(z, dim=-1)
-            p = log_p.exp()
-            g = torch.zeros_like(z)
-            if use_logp:
-                g_lp = grad_logp[start:stop, None].float()
-                g -= p * g_lp
-                g.scatter_add_(-1, targets[start:stop, None], g_lp)
-            if use_entropy:
-                g -= grad_entropy[start:stop, None].float() * p * (log_p + entropy[start:stop, None])
-            grad_logits[start:stop] = (g / ctx.temperature).to(logits.dtype)
+            g = _chunk_grad(z, targets[start:stop] if use_logp else None, grad_logp[start:stop] if use_logp else None,
+                            grad_entropy[start:stop] if use_entropy else None,
+                            entropy[start:stop] if use_entropy else None, ctx.temperature)
+            grad_logits[start:stop] = g.to(logits.dtype)
         return grad_logits, None, None, None, None
 
 
@@ -165,10 +188,10 @@ class _FusedHeadLogprobEntropy(torch.autograd.Function):
             for start in range(0, n, chunk_rows):
                 stop = start + chunk_rows
                 z = _head_logits(hidden[start:stop], head_weight, head_bias, dtype).float().div_(temperature)  # [n_c, V]
-                lse = torch.logsumexp(z, dim=-1)
-                logp[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
-                if with_entropy:
-                    entropy[start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                chunk_logp, chunk_entropy = _chunk_values(z, targets[start:stop], with_entropy)
+                logp[start:stop] = chunk_logp
+                if chunk_entropy is not None:
+                    entropy[start:stop] = chunk_entropy
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy, ctx.dtype = temperature, chunk_rows, with_entropy, dtype
         return logp, entropy
@@ -188,20 +211,9 @@ class _FusedHeadLogprobEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.chunk_rows):
                 stop = start + ctx.chunk_rows
                 z = _head_logits(hidden[start:stop], head_weight, head_bias, ctx.dtype).float().div_(ctx.temperature)
-                log_p = torch.log_softmax(z, dim=-1)  # [n_c, V]
-                g = log_p.exp()  # p, turned into -dL/dz in place below
-                if use_entropy:  # dH/dz = -p (log p + H)
-                    g_h = grad_entropy[start:stop, None].float()
-                    scale = log_p.add_(entropy[start:stop, None]).mul_(g_h)  # (log p + H) g_H, log_p no longer needed
-                    if grad_logp is not None:
-                        scale.add_(grad_logp[start:stop, None].float())
-                    g.mul_(scale)
-                else:
-                    g.mul_(grad_logp[start:stop, None].float())
-                g.neg_()
-                if grad_logp is not None:  # d log p(target) / dz = onehot(target) - p
-                    g.scatter_add_(-1, targets[start:stop, None], grad_logp[start:stop, None].float())
-                g.div_(ctx.temperature)  # dz/dlogits = 1/T; g is now dL/dlogits [n_c, V]
+                g = _chunk_grad(z, targets[start:stop], grad_logp[start:stop] if grad_logp is not None else None,
+                                grad_entropy[start:stop] if use_entropy else None,
+                                entropy[start:stop] if use_entropy else None, ctx.temperature)  # dL/dlogits [n_c, V]
                 if want_hidden:
                     grad_hidden[start:stop] = (g.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
                 if want_weight:
