@@ -28,6 +28,21 @@ the format but little spatial sense still earns rewards to learn from.
 
 Writes ``<out>/results.json``, ``<out>/credit_assignment.png`` and prints the table. Runs every
 stage one after another (never two torch jobs at once on a 2-core machine).
+
+**From a strong start** (``--start DEMO_DIR``): the FrozenLake start above is weak (SFT pass@1 0.17,
+most groups all-failure), so it could not show a difference. With ``--start`` the methods start
+from the SFT adapter of a finished 3-call calculator ``tracegym demo`` run (pass@1 about 0.6, most
+groups carry signal) and use the demo's RL stage unchanged (``recipes/demo.py``: derived learning
+rate, 2 warmup steps, PPO-clip 0.2/0.28, reward parts ``{answer: 1, calls: 0.3}`` so turns carry
+their own rewards, trust region 0.02, expert replay 1.0, LUFFY guidance for all-failure groups,
+train and eval temperature both the demo's 0.7); only the estimator (and for ``tree`` the rollout
+strategy) differs. Every seed trains on the same train tasks; all are judged on the demo's held-out
+tasks, paired per (seed, task) with the demo's own SFT evaluation and with ``grpo``. ``tree`` runs
+without guidance (the config refuses guidance for tree rollouts). A run whose evaluation is already
+in ``<out>`` is read back, not repeated (``--fresh`` repeats it).
+
+    .venv/bin/python bench/credit_assignment.py --start runs/demo --out runs/credit_strong \\
+        --seeds 0 1 --steps 5 --eval-samples 1
 """
 
 from __future__ import annotations
@@ -154,6 +169,148 @@ def pooled(solved: dict[int, dict[str, bool]]) -> dict[str, tuple[int, int]]:
     return {f"{seed}/{task}": (1, int(ok)) for seed, per_task in solved.items() for task, ok in per_task.items()}
 
 
+def strong_start_run(args: argparse.Namespace, demo: Any, method: str, seed: int, run_dir: Path) -> Any:
+    """The demo's RL stage from its SFT adapter with ``method``'s credit assignment: the RLConfig."""
+    from tracegym.config import RLConfig, load_config
+    from tracegym.recipes.demo import rl_stage_config
+
+    data = rl_stage_config(demo.model_copy(update={"seed": seed}), args.start / "train_sft" / "final",
+                           run_dir).model_dump(mode="json")
+    data["tasks"]["seed"] = demo.seed  # every seed trains on the same tasks
+    data["advantage"] = METHODS[method]["advantage"]
+    data["health"]["mutual_information"] = False  # a monitor (15 s a step here); not what is compared
+    data["logging"]["tensorboard"] = False
+    if method == "tree":  # leaves, half of them forked, sized so generated tokens come out about equal
+        data["rollout"] = {**data["rollout"], **METHODS["tree"]["rollout"]}
+        data["group_size"] = args.tree_leaves
+        data["guidance"] = None  # guidance joins groups of independent chains only
+    return load_config(RLConfig, data=data)
+
+
+def strong_start_main(args: argparse.Namespace) -> int:
+    """``--start``: every method from a finished 3-call demo run's SFT adapter (module docstring)."""
+    from tracegym.config import load_config
+    from tracegym.envs import make
+    from tracegym.eval.metrics import bootstrap_ci, paired_bootstrap_diff
+    from tracegym.models import load_tokenizer
+    from tracegym.recipes.demo import DemoConfig, demo_rl_lr, evaluate_stage
+    from tracegym.recipes.rl import train_rl
+    from tracegym.render import get_renderer
+    from tracegym.train.logging import read_metrics
+
+    started = time.perf_counter()
+    saved = json.loads((args.start / "demo_config.json").read_text(encoding="utf-8"))
+    kept = {k: v for k, v in saved.items() if not k.startswith("rl_")}  # the RL stage: today's defaults
+    demo = load_config(DemoConfig, data={
+        **kept, "rl_steps": args.steps, "rl_tasks_per_step": args.tasks_per_step, "rl_group_size": args.group,
+        "eval_samples": args.eval_samples, "eval_ks": [1], "progress": False})
+    renderer = get_renderer(demo.model, load_tokenizer(demo.model))
+    test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
+    turns = str(max(demo.eval_turns))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def solved_of(summary: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return {task: (v["n"], v["solved"][turns]) for task, v in summary["per_task"].items()}
+
+    sft_eval = args.start / "sft" / "eval.json"  # the demo's own SFT evaluation: same tasks and turns
+    sft = solved_of(json.loads(sft_eval.read_text(encoding="utf-8")))
+    log(started, f"SFT start {args.start}: pass@1 {sum(c / n for n, c in sft.values()) / len(sft):.3f} "
+                 f"on {len(sft)} tasks ({sft_eval})")
+
+    records: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        for method in args.methods:
+            run_dir = out / f"{method}_seed{seed}"
+            eval_json = run_dir / "eval" / "eval.json"
+            if args.fresh or not eval_json.is_file():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                cfg = strong_start_run(args, demo, method, seed, run_dir)
+                log(started, f"RL {method} seed {seed}: {cfg.steps} steps x {cfg.tasks_per_step} tasks x "
+                             f"{cfg.group_size} episodes, lr {cfg.optim.lr:.3g}")
+                t0 = time.perf_counter()
+                result = train_rl(cfg)
+                wall = time.perf_counter() - t0
+                evaluate_stage(demo, test_tasks, renderer, result.final_dir, run_dir / "eval", method)
+                (run_dir / "wall_s.txt").write_text(f"{wall}\n", encoding="utf-8")
+            rows = [row for row in read_metrics(run_dir) if row["step"] > 0]
+            record = {
+                "method": method, "seed": seed,
+                "wall_s": float((run_dir / "wall_s.txt").read_text()),
+                "solved": solved_of(json.loads(eval_json.read_text(encoding="utf-8"))),
+                "reward": [row["reward/mean"] for row in rows],
+                "tokens": [row.get("rollout/generated_tokens", 0.0) for row in rows],
+                "informative_groups": [row.get("health/informative_groups", 0.0) for row in rows],
+                "guided_groups": [row.get("guidance/groups", 0.0) for row in rows],
+                "drift_kl": [row.get("drift/kl", 0.0) for row in rows],
+                "step_group_size": [row["advantage/step_group_size"] for row in rows
+                                    if "advantage/step_group_size" in row],
+            }
+            records.append(record)
+            rate = sum(c / n for n, c in record["solved"].values()) / len(record["solved"])
+            log(started, f"  {method} seed {seed}: pass@1 {rate:.3f}, groups with signal "
+                         f"{sum(record['informative_groups']):.0f}/{args.steps * args.tasks_per_step}, "
+                         f"{record['wall_s'] / 60:.1f} min")
+            write_strong_results(out, args, demo, records, sft)
+
+    def pooled(method: str) -> dict[str, tuple[int, int]]:
+        return {f"{r['seed']}/{task}": nc for r in records if r["method"] == method for task, nc in r["solved"].items()}
+
+    sft_pooled = {f"{seed}/{task}": nc for seed in args.seeds for task, nc in sft.items()}
+    table = {}
+    for method in args.methods:
+        values = pooled(method)
+        runs = [r for r in records if r["method"] == method]
+        low, high = bootstrap_ci([c / n for n, c in values.values()])
+        row: dict[str, Any] = {"pass@1": sum(c / n for n, c in values.values()) / len(values), "ci": [low, high],
+                               "per_seed": {r["seed"]: sum(c / n for n, c in r["solved"].values()) / len(r["solved"])
+                                            for r in runs}}
+        diff, dlow, dhigh, shared = paired_bootstrap_diff(sft_pooled, values, 1)
+        row["vs_sft"] = {"diff": diff, "ci": [dlow, dhigh], "pairs": shared}
+        if method != "grpo" and "grpo" in args.methods:
+            diff, dlow, dhigh, shared = paired_bootstrap_diff(pooled("grpo"), values, 1)
+            row["vs_grpo"] = {"diff": diff, "ci": [dlow, dhigh], "pairs": shared}
+        row["informative_groups"] = sum(sum(r["informative_groups"]) for r in runs)
+        row["groups"] = len(runs) * args.steps * args.tasks_per_step
+        row["guided_groups"] = sum(sum(r["guided_groups"]) for r in runs)
+        row["tokens_per_step"] = statistics.fmean(t for r in runs for t in r["tokens"])
+        row["wall_s"] = statistics.fmean(r["wall_s"] for r in runs)
+        row["reward_curve"] = [statistics.fmean(r["reward"][i] for r in runs) for i in range(args.steps)]
+        sizes = [v for r in runs for v in r["step_group_size"]]
+        row["step_group_size"] = statistics.fmean(sizes) if sizes else None
+        table[method] = row
+    results = write_strong_results(out, args, demo, records, sft, table)
+    plot(results, out / "credit_assignment.png")
+    print(f"\n3-call calculator, SmolLM2-135M + LoRA from {args.start} (SFT pass@1 {results['sft_pass@1']:.3f}); "
+          f"seeds {args.seeds}; {args.steps} RL steps x {args.tasks_per_step} tasks x {args.group} episodes "
+          f"(tree: {args.tree_leaves} leaves); lr {demo_rl_lr(demo):.3g}; {len(test_tasks)} test tasks x "
+          f"{demo.eval_samples} samples, temperature {demo.temperature} (train and eval)")
+    print("| method | pass@1 [95% CI] | vs SFT | vs grpo | groups with signal | guided | train reward first -> last | "
+          "tokens/step | wall min/run | step-group size |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda d: f"{d['diff']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"  # noqa: E731
+    for method, row in table.items():
+        size = f"{row['step_group_size']:.2f}" if row["step_group_size"] is not None else "-"
+        print(f"| {method} | {row['pass@1']:.3f} [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}] | {fmt(row['vs_sft'])} | "
+              f"{fmt(row['vs_grpo']) if 'vs_grpo' in row else '-'} | {row['informative_groups']:.0f}/{row['groups']} | "
+              f"{row['guided_groups']:.0f} | {row['reward_curve'][0]:.3f} -> {row['reward_curve'][-1]:.3f} | "
+              f"{row['tokens_per_step']:.0f} | {row['wall_s'] / 60:.1f} | {size} |")
+    print(f"\ntotal {(time.perf_counter() - started) / 60:.1f} min, peak RSS {peak_rss_mb():.0f} MB; "
+          f"{out / 'results.json'}, {out / 'credit_assignment.png'}")
+    return 0
+
+
+def write_strong_results(out: Path, args: argparse.Namespace, demo: Any, records: list[dict[str, Any]],
+                         sft: dict[str, tuple[int, int]], table: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``<out>/results.json`` (rewritten after every run, so a cut-off run keeps what finished)."""
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "demo": demo.model_dump(mode="json"), "sft_pass@1": sum(c / n for n, c in sft.values()) / len(sft),
+               "runs": records, "methods": table or {}, "peak_rss_mb": peak_rss_mb(),
+               "date": time.strftime("%Y-%m-%d")}
+    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, grpo vs tree, 1 step, 8 test tasks")
@@ -161,9 +318,10 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--tasks-per-step", type=int, default=2)
-    parser.add_argument("--group", type=int, default=4, help="episodes per task of the chain methods")
-    parser.add_argument("--tree-leaves", type=int, default=6, help="leaves per tree (half forked)")
+    parser.add_argument("--tasks-per-step", type=int, default=None, help="default 2 (--start: 8, the demo's)")
+    parser.add_argument("--group", type=int, default=None,
+                        help="episodes per task of the chain methods; default 4 (--start: 6, the demo's)")
+    parser.add_argument("--tree-leaves", type=int, default=None, help="leaves per tree, half forked; default 6 (--start: 8)")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--holes", type=float, default=0.1, help="hole fraction of the lakes")
@@ -172,8 +330,25 @@ def main() -> int:
     parser.add_argument("--expert-tasks", type=int, default=128)
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--out", default="runs/credit_assignment")
-    parser.add_argument("--fresh", action="store_true", help="retrain the SFT start")
+    parser.add_argument("--fresh", action="store_true", help="retrain the SFT start (with --start: rerun every run)")
+    parser.add_argument("--start", type=Path, default=None,
+                        help="a finished 3-call `tracegym demo` run: start from its SFT adapter (module docstring)")
+    parser.add_argument("--eval-samples", type=int, default=1, help="with --start: samples per test task")
     args = parser.parse_args()
+    if args.start is not None:
+        if args.quick:
+            parser.error("--quick is the FrozenLake mode; with --start pass --steps/--seeds/--methods")
+        if not (args.start / "train_sft" / "final" / "adapter_config.json").is_file():
+            parser.error(f"--start {args.start}: no train_sft/final adapter (not a finished demo run)")
+        args.tasks_per_step, args.group = args.tasks_per_step or 8, args.group or 6  # the demo's
+        args.tree_leaves = args.tree_leaves or 8
+        if args.out == parser.get_default("out"):
+            args.out = "runs/credit_strong"
+        import torch
+
+        torch.set_num_threads(2)
+        return strong_start_main(args)
+    args.tasks_per_step, args.group, args.tree_leaves = args.tasks_per_step or 2, args.group or 4, args.tree_leaves or 6
     if args.quick:
         args.seeds, args.methods, args.steps, args.tasks_per_step, args.max_turns = [0], ["grpo", "tree"], 1, 2, 4
         args.group, args.tree_leaves, args.test_tasks, args.expert_tasks, args.sft_steps = 4, 6, 8, 16, 3
