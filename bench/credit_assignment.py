@@ -37,9 +37,10 @@ rate, 2 warmup steps, PPO-clip 0.2/0.28, reward parts ``{answer: 1, calls: 0.3}`
 their own rewards, trust region 0.02, expert replay 1.0, LUFFY guidance for all-failure groups,
 train and eval temperature both the demo's 0.7); only the estimator (and for ``tree`` the rollout
 strategy) differs. Every seed trains on the same train tasks; all are judged on the demo's held-out
-tasks, paired per (seed, task) with the demo's own SFT evaluation and with ``grpo``. ``tree`` runs
-without guidance (the config refuses guidance for tree rollouts). A run whose evaluation is already
-in ``<out>`` is read back, not repeated (``--fresh`` repeats it).
+tasks with the same sampling seeds, paired per (seed, task) with the SFT start (the demo's own
+evaluation when its samples per task are ``--eval-samples``, else evaluated here) and with
+``grpo``. ``tree`` runs without guidance (the config refuses guidance for tree rollouts). A run
+whose evaluation is already in ``<out>`` is read back, not repeated (``--fresh`` repeats it).
 
     .venv/bin/python bench/credit_assignment.py --start runs/demo --out runs/credit_strong \\
         --seeds 0 1 --steps 5 --eval-samples 1
@@ -213,7 +214,15 @@ def strong_start_main(args: argparse.Namespace) -> int:
     def solved_of(summary: dict[str, Any]) -> dict[str, tuple[int, int]]:
         return {task: (v["n"], v["solved"][turns]) for task, v in summary["per_task"].items()}
 
-    sft_eval = args.start / "sft" / "eval.json"  # the demo's own SFT evaluation: same tasks and turns
+    # The SFT start judged like the runs. The demo's own SFT evaluation serves when its samples per
+    # task are these; else it is evaluated here: episode i of an evaluation samples with seeds drawn
+    # from i, so equal settings give every run and the start the same random numbers per episode,
+    # and the paired differences lose the noise of sampling that a barely moved policy shares.
+    sft_eval = args.start / "sft" / "eval.json"
+    if json.loads(sft_eval.read_text(encoding="utf-8"))["samples_per_task"] != demo.eval_samples:
+        sft_eval = out / "sft_eval" / "eval.json"
+        if args.fresh or not sft_eval.is_file():
+            evaluate_stage(demo, test_tasks, renderer, args.start / "train_sft" / "final", sft_eval.parent, "sft")
     sft = solved_of(json.loads(sft_eval.read_text(encoding="utf-8")))
     log(started, f"SFT start {args.start}: pass@1 {sum(c / n for n, c in sft.values()) / len(sft):.3f} "
                  f"on {len(sft)} tasks ({sft_eval})")
