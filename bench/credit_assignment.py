@@ -170,6 +170,11 @@ def pooled(solved: dict[int, dict[str, bool]]) -> dict[str, tuple[int, int]]:
     return {f"{seed}/{task}": (1, int(ok)) for seed, per_task in solved.items() for task, ok in per_task.items()}
 
 
+def pass_at_1(solved: dict[str, tuple[int, int]]) -> float:
+    """Mean over the keys of solved / samples (``{task: (n, c)}``, or pooled ``{seed/task: (n, c)}``)."""
+    return sum(c / n for n, c in solved.values()) / len(solved)
+
+
 def strong_start_run(args: argparse.Namespace, demo: Any, method: str, seed: int, run_dir: Path) -> Any:
     """The demo's RL stage from its SFT adapter with ``method``'s credit assignment: the RLConfig."""
     from tracegym.config import RLConfig, load_config
@@ -224,7 +229,7 @@ def strong_start_main(args: argparse.Namespace) -> int:
         if args.fresh or not sft_eval.is_file():
             evaluate_stage(demo, test_tasks, renderer, args.start / "train_sft" / "final", sft_eval.parent, "sft")
     sft = solved_of(json.loads(sft_eval.read_text(encoding="utf-8")))
-    log(started, f"SFT start {args.start}: pass@1 {sum(c / n for n, c in sft.values()) / len(sft):.3f} "
+    log(started, f"SFT start {args.start}: pass@1 {pass_at_1(sft):.3f} "
                  f"on {len(sft)} tasks ({sft_eval})")
 
     records: list[dict[str, Any]] = []
@@ -256,28 +261,27 @@ def strong_start_main(args: argparse.Namespace) -> int:
                                     if "advantage/step_group_size" in row],
             }
             records.append(record)
-            rate = sum(c / n for n, c in record["solved"].values()) / len(record["solved"])
+            rate = pass_at_1(record["solved"])
             log(started, f"  {method} seed {seed}: pass@1 {rate:.3f}, groups with signal "
                          f"{sum(record['informative_groups']):.0f}/{args.steps * args.tasks_per_step}, "
                          f"{record['wall_s'] / 60:.1f} min")
             write_strong_results(out, args, demo, records, sft)
 
-    def pooled(method: str) -> dict[str, tuple[int, int]]:
+    def pooled_runs(method: str) -> dict[str, tuple[int, int]]:
         return {f"{r['seed']}/{task}": nc for r in records if r["method"] == method for task, nc in r["solved"].items()}
 
     sft_pooled = {f"{seed}/{task}": nc for seed in args.seeds for task, nc in sft.items()}
     table = {}
     for method in args.methods:
-        values = pooled(method)
+        values = pooled_runs(method)
         runs = [r for r in records if r["method"] == method]
         low, high = bootstrap_ci([c / n for n, c in values.values()])
-        row: dict[str, Any] = {"pass@1": sum(c / n for n, c in values.values()) / len(values), "ci": [low, high],
-                               "per_seed": {r["seed"]: sum(c / n for n, c in r["solved"].values()) / len(r["solved"])
-                                            for r in runs}}
+        row: dict[str, Any] = {"pass@1": pass_at_1(values), "ci": [low, high],
+                               "per_seed": {r["seed"]: pass_at_1(r["solved"]) for r in runs}}
         diff, dlow, dhigh, shared = paired_bootstrap_diff(sft_pooled, values, 1)
         row["vs_sft"] = {"diff": diff, "ci": [dlow, dhigh], "pairs": shared}
         if method != "grpo" and "grpo" in args.methods:
-            diff, dlow, dhigh, shared = paired_bootstrap_diff(pooled("grpo"), values, 1)
+            diff, dlow, dhigh, shared = paired_bootstrap_diff(pooled_runs("grpo"), values, 1)
             row["vs_grpo"] = {"diff": diff, "ci": [dlow, dhigh], "pairs": shared}
         row["informative_groups"] = sum(sum(r["informative_groups"]) for r in runs)
         row["groups"] = len(runs) * args.steps * args.tasks_per_step
@@ -313,7 +317,7 @@ def write_strong_results(out: Path, args: argparse.Namespace, demo: Any, records
                          sft: dict[str, tuple[int, int]], table: dict[str, Any] | None = None) -> dict[str, Any]:
     """``<out>/results.json`` (rewritten after every run, so a cut-off run keeps what finished)."""
     results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "demo": demo.model_dump(mode="json"), "sft_pass@1": sum(c / n for n, c in sft.values()) / len(sft),
+               "demo": demo.model_dump(mode="json"), "sft_pass@1": pass_at_1(sft),
                "runs": records, "methods": table or {}, "peak_rss_mb": peak_rss_mb(),
                "date": time.strftime("%Y-%m-%d")}
     (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
