@@ -28,9 +28,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tracegym demo
 
-# one pytest worker per core (pytest-xdist); tests/conftest.py gives each worker one compute thread
+# one pytest worker per core (pytest-xdist); tests/conftest.py gives each worker one compute thread.
+# worksteal: an idle worker takes queued tests from the busy one, so the 20-40 s end-to-end tests
+# do not leave one core waiting at the end (plain "load" hands out fixed chunks up front)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # the edit loop (under 2 minutes): everything but the end-to-end files (training runs and their
 # exact resume, CLI subprocesses, Ray, the real SmolLM2, sandboxed code, servers); make test runs all
@@ -38,7 +40,7 @@ FAST_SKIP := memory_flat preference models rl serve_openai executors cli_plugins
 	distill distill_remote_teacher demo rl_learning_holds seeds env_terminal env_mcp rl_plugins curriculum \
 	report export rollout_strategies sft continuous_batching mc_continuation tree injection selfplay harness env_web
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 $(foreach f,$(FAST_SKIP),--ignore=tests/test_$(f).py)
+	$(PY) -m pytest -q -n 2 --dist worksteal $(foreach f,$(FAST_SKIP),--ignore=tests/test_$(f).py)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py
