@@ -55,6 +55,19 @@ def per_operator(tasks: list[Any], sft: dict[str, Any], rl: dict[str, Any], turn
     return out
 
 
+def against_row(tasks: list[Any], other: dict[str, Any], rl: dict[str, Any], turns: str) -> dict[str, Any]:
+    """This run's RL evaluation against another run's on the same tasks: pass@1 of the other, the
+    paired difference RL - other with its CI, and per operator (``per_operator``'s "sft" is the other)."""
+    from tracegym.eval.metrics import paired_bootstrap_diff
+
+    solved = [{t: (v["n"], v["solved"][turns]) for t, v in s["per_task"].items()} for s in (other, rl)]
+    diff, low, high, shared = paired_bootstrap_diff(solved[0], solved[1], 1)
+    if shared != len(tasks):
+        raise SystemExit(f"the other evaluation shares {shared} of the {len(tasks)} test tasks: not the same test set")
+    return {"pass@1": other["pass_at"][turns]["1"], "diff": diff, "ci": [low, high], "tasks": shared,
+            "operators": per_operator(tasks, other, rl, turns)}
+
+
 def wait_for(path: Path, timeout_s: float = 1800.0) -> Path:
     """``path`` once it exists (another process writes it atomically); an error after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -79,6 +92,9 @@ def main() -> None:
     parser.add_argument("--reuse-trained", action="store_true",
                         help="a seed whose RL run already finished (train_rl/final) is evaluated, not trained again")
     parser.add_argument("--label", default="", help="a name for these settings in the results")
+    parser.add_argument("--against", nargs="*", default=[], metavar="LABEL=EVAL_JSON",
+                        help="other runs' evaluations of the same test tasks, samples and seeds (e.g. a demo's "
+                             "rl/eval.json): each seed's RL is also compared with each, paired, per operator too")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="demo RL settings other than the defaults, e.g. rl_steps=10 rl_tasks_per_step=8")
     args = parser.parse_args()
@@ -104,6 +120,12 @@ def main() -> None:
     renderer = get_renderer(demo.model, load_tokenizer(demo.model))
     test_tasks = make(demo.env, **demo.env_options).tasks("test", demo.test_tasks, demo.seed)
     turns = str(max(demo.eval_turns))
+    against = {}
+    for item in args.against:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not Path(path).is_file():
+            raise SystemExit(f"--against {item!r}: expected LABEL=PATH of an eval.json")
+        against[label] = json.loads(Path(path).read_text(encoding="utf-8"))
 
     sft_dir = args.sft_dir or args.out / f"sft_test{demo.test_tasks}x{demo.eval_samples}"
     if not (sft_dir / "eval.json").is_file() and not args.wait_sft:
@@ -155,6 +177,7 @@ def main() -> None:
             "probe_nll": [row.get("drift/probe_nll") for row in trained.history],
             "operators": per_operator(test_tasks, sft, summary, turns),
         }
+        result["against"] = {label: against_row(test_tasks, other, summary, turns) for label, other in against.items()}
         results.append(result)
         (args.out / "strong_start.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
         print(f"seed {seed}: SFT {result['sft']:.3f} -> RL {result['rl']:.3f}  RL - SFT {result['diff']:+.3f} "
@@ -164,6 +187,12 @@ def main() -> None:
         for op, row in result["operators"].items():
             print(f"  {op:>2}: {row['tasks']:3d} tasks  SFT {row['sft']:.3f}  RL {row['rl']:.3f}  "
                   f"{row['diff']:+.3f} [{row['ci'][0]:+.3f}, {row['ci'][1]:+.3f}]", flush=True)
+        for label, row in result["against"].items():
+            print(f"seed {seed}: RL {result['rl']:.3f} - {label} {row['pass@1']:.3f} = {row['diff']:+.3f} "
+                  f"[{row['ci'][0]:+.3f}, {row['ci'][1]:+.3f}] paired over {row['tasks']} tasks", flush=True)
+            for op, part in row["operators"].items():
+                print(f"  {op:>2}: {part['tasks']:3d} tasks  {label} {part['sft']:.3f}  RL {part['rl']:.3f}  "
+                      f"{part['diff']:+.3f} [{part['ci'][0]:+.3f}, {part['ci'][1]:+.3f}]", flush=True)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
