@@ -10,11 +10,17 @@ setting runs in its own process (its peak RSS is its own):
   model's [B, L, V] logits, then the log-prob and entropy pass in chunks of 1024 positions);
 - ``6 rows a pass``: a group a pass, its prompt run once (the shared prefix);
 - ``full logits`` against the fused output layer (``tracegym/train/logprobs.py``: no [B, L, V]
-  logits), and the positions per chunk of the log-prob pass (32 now).
+  logits), and the positions per chunk of the log-prob pass (32 now);
+- ``bfloat16``: the forwards under bfloat16 autocast (``model.autocast``, the demo's choice on CPUs
+  with AMX or AVX512-BF16). The engine's float32 log-probs are then not the trainer's, so the
+  timed unit includes ``score_batch``: a re-scoring pass over the whole batch first (the RL recipe
+  until 2026-12-06), or the old log-probs taken from the update's own forward (``old_from_forward``,
+  one pass: ``tracegym/train/policy_update.py``). On a CPU without native bfloat16 these two
+  settings are slow (emulated) and beside the point.
 
 Run from the repository root, nothing else on the CPU::
 
-    .venv/bin/python bench/rl_update.py [--tasks 4] [--updates 2]
+    .venv/bin/python bench/rl_update.py [--tasks 4] [--updates 2] [--only "6 rows a pass" ...]
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-prob chunk)
-    "1 row a pass, full logits, 1024-position chunks": (1, False, 1024),
-    "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024),
-    "1 row a pass, full logits": (1, False, 32),
-    "6 rows a pass, full logits": (6, False, 32),
-    "6 rows a pass, 128-position chunks": (6, True, 128),
-    "6 rows a pass": (6, True, 32),
+SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-prob chunk, autocast, old_from_forward)
+    "1 row a pass, full logits, 1024-position chunks": (1, False, 1024, "none", False),
+    "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024, "none", False),
+    "1 row a pass, full logits": (1, False, 32, "none", False),
+    "6 rows a pass, full logits": (6, False, 32, "none", False),
+    "6 rows a pass, 128-position chunks": (6, True, 128, "none", False),
+    "6 rows a pass": (6, True, 32, "none", False),
+    "6 rows a pass, bfloat16, re-scoring pass first": (6, True, 32, "bfloat16", False),
+    "6 rows a pass, bfloat16, old log-probs from the update's forward": (6, True, 32, "bfloat16", True),
 }
 
 
@@ -52,17 +60,17 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
     from tracegym.rl.collect import expert_episodes
     from tracegym.rl.policy import load_policy, make_renderer
     from tracegym.train.optim import build_optimizer, build_scheduler
-    from tracegym.train.policy_update import policy_update
+    from tracegym.train.policy_update import policy_update, score_batch
     from tracegym.types import TrajectoryGroup
 
-    micro_batch_size, fused, chunk_rows = SETTINGS[name]
+    micro_batch_size, fused, chunk_rows, autocast, old_from_forward = SETTINGS[name]
     if not fused:
         logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
     logprobs.DEFAULT_CHUNK_ROWS = logprobs.FUSED_CHUNK_ROWS = chunk_rows
-    cfg = rl_stage_config(DemoConfig(autocast="none"), "unused", "/tmp/bench-rl-update")
+    cfg = rl_stage_config(DemoConfig(autocast=autocast), "unused", "/tmp/bench-rl-update")
     cfg.model.adapter = None  # a fresh adapter: the same arithmetic as the SFT one
     loss_cfg = PolicyLossConfig(**cfg.policy_loss)
-    model, tokenizer, _ = load_policy(cfg, loss_cfg, torch.device("cpu"))
+    model, tokenizer, reference = load_policy(cfg, loss_cfg, torch.device("cpu"))
     renderer = make_renderer(cfg, tokenizer)
     train_tasks, _ = split_tasks(cfg, make(cfg.env.name, **cfg.env.options))
     episodes = list(expert_episodes(cfg, train_tasks[: 2 * tasks], renderer, seed=1).values())[:tasks]
@@ -78,8 +86,10 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
     seconds, losses = [], []
     for _ in range(updates):
         start = time.perf_counter()
-        metrics = policy_update(model, batch, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=micro_batch_size,
-                                temperature=0.7, max_grad_norm=1.0)
+        scored = score_batch(model, reference, batch, loss_cfg, micro_batch_size=micro_batch_size, temperature=0.7,
+                             old_from_forward=old_from_forward)  # a no-op in float32 (the engine's log-probs stand)
+        metrics = policy_update(model, scored, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=micro_batch_size,
+                                temperature=0.7, max_grad_norm=1.0, old_from_forward=old_from_forward)
         seconds.append(time.perf_counter() - start)
         losses.append(metrics["train/loss"])
     return {"update_s": seconds, "loss": losses[0], "rows": batch.size, "tokens": int(batch.attention_mask.sum()),
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=4, help="groups of 6 episodes in the batch")
     parser.add_argument("--updates", type=int, default=2, help="timed updates per setting")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 2))
+    parser.add_argument("--only", nargs="*", choices=list(SETTINGS), help="these settings alone (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -103,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     from stages import machine_line, print_settings_table, run_settings
 
     results = run_settings(__file__, {name: [name, "--tasks", str(args.tasks), "--updates", str(args.updates), "--threads",
-                                             str(args.threads)] for name in SETTINGS})
+                                             str(args.threads)] for name in (args.only or SETTINGS)})
     first = next(iter(results.values()))
-    print(f"{machine_line(args.threads)} | smollm2-135m float32, LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 "
+    print(f"{machine_line(args.threads)} | smollm2-135m, LoRA r=16, {first['rows']} rows ({args.tasks} groups x 6 "
           f"three-call episodes, {first['tokens']} tokens), {args.updates} timed updates per setting")
     print_settings_table(results, "update_s", "update", "loss", 1)
     return 0

@@ -4,6 +4,7 @@ policy so its ratio starts at exactly 1, and when training needs train mode at a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,68 @@ def test_rl_update_rescores_the_old_policy_under_autocast(tmp_path):
         ratios[setting] = (metrics["train/ratio_min"], metrics["train/ratio_max"])
     assert ratios["bfloat16"] == (1.0, 1.0)
     assert ratios["none"][0] == pytest.approx(1.0, abs=1e-4) and ratios["none"][1] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_old_log_probs_from_the_update_forward_equal_a_rescoring_pass_under_autocast(tmp_path):
+    """One pass (``epochs=1``) under bfloat16 autocast: taking the old log-probs from the update's own
+    forward (``old_from_forward``) gives the gradients of re-scoring the whole batch first, with the
+    ratio exactly 1, and saves that pass (fewer model forwards). Rows without engine log-probs (a
+    guidance trajectory) are still scored before the update; several passes refuse the shortcut."""
+    from tracegym.algos.config import PolicyLossConfig
+    from tracegym.batch import examples_from_groups, make_batch
+    from tracegym.envs import make
+    from tracegym.rl import collect, policy, tasks as rl_tasks
+    from tracegym.train.optim import build_scheduler
+    from tracegym.train.policy_update import old_from_forward_is_exact, policy_update, score_batch
+
+    cfg = load_config(RLConfig, data={
+        "model": {"name": "tiny-random", "autocast": "bfloat16"}, "lora": {"enabled": True, "r": 4},
+        "env": {"name": "calculator", "options": {"num_calls": 1}}, "tasks": {"train": 4, "test": 0, "seed": 0},
+        "tasks_per_step": 2, "group_size": 4, "rollout": {"max_turns": 2, "max_tokens_per_turn": 6},
+        "micro_batch_size": 4, "output_dir": str(tmp_path / "run"), "logging": {"progress": False}})
+    loss_cfg = PolicyLossConfig(**cfg.policy_loss)
+    model, tokenizer, reference = policy.load_policy(cfg, loss_cfg, torch.device("cpu"))
+    assert old_from_forward_is_exact(model, epochs=1, train_mode=False)
+    assert not old_from_forward_is_exact(model, epochs=2, train_mode=False)
+    renderer = policy.make_renderer(cfg, tokenizer)
+    sampler = policy.make_sampler(cfg, model, tokenizer, renderer)
+    tasks = rl_tasks.tasks_for_step(make("calculator", num_calls=1).tasks("train", 4), 2, 0, 0)
+    groups, _ = collect.collect_groups(sampler, cfg, tasks, renderer, seed=0)
+    advantages = [[[1.0 if i % 2 else -1.0] * len(t.turns) for i, t in enumerate(g.trajectories)] for g in groups]
+    batch = make_batch(examples_from_groups(groups, renderer, advantages).examples, pad_token_id=tokenizer.eos_token_id)
+    forwards = []
+    model.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))  # every forward starts there
+
+    def update(old_from_forward: bool) -> tuple[dict, dict, int]:
+        forwards.clear()
+        scored = score_batch(model, reference, batch, loss_cfg, micro_batch_size=4, temperature=1.0, epochs=1,
+                             old_from_forward=old_from_forward)
+        assert (scored.old_logprobs is None) == old_from_forward  # every row has engine log-probs
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)  # keeps the weights
+        metrics = policy_update(model, scored, loss_cfg, optimizer, build_scheduler(optimizer, cfg.optim, 2), epochs=1,
+                                micro_batch_size=4, temperature=1.0, max_grad_norm=None, old_from_forward=old_from_forward)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return metrics, grads, len(forwards)
+
+    rescored, rescored_grads, rescored_forwards = update(False)
+    shortcut, shortcut_grads, shortcut_forwards = update(True)
+    assert (shortcut["train/ratio_min"], shortcut["train/ratio_max"]) == (1.0, 1.0) == (
+        rescored["train/ratio_min"], rescored["train/ratio_max"])
+    assert shortcut["train/loss"] == pytest.approx(rescored["train/loss"], rel=1e-6)
+    assert any(float(g.abs().sum()) > 0 for g in shortcut_grads.values())
+    for name, grad in shortcut_grads.items():
+        torch.testing.assert_close(grad, rescored_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    # the re-scoring pass: one or two forwards per micro-batch (two when a shared prefix runs first)
+    assert 0 < shortcut_forwards and rescored_forwards - shortcut_forwards >= batch.size // 4
+    # a row without engine log-probs (LUFFY's expert trajectory) is scored alone, the others not
+    guided = dataclasses.replace(batch, has_engine_logprobs=torch.tensor([i != 2 for i in range(batch.size)]))
+    forwards.clear()
+    old = score_batch(model, reference, guided, loss_cfg, micro_batch_size=4, temperature=1.0, epochs=1,
+                      old_from_forward=True).old_logprobs
+    assert old is not None and 1 <= len(forwards) <= 2  # the one row's forward
+    torch.testing.assert_close(old[[0, 1, 3]], batch.engine_logprobs[[0, 1, 3]])
+    with pytest.raises(ValueError, match="epochs=1"):
+        score_batch(model, reference, batch, loss_cfg, micro_batch_size=4, temperature=1.0, epochs=2, old_from_forward=True)
 
 
 def test_train_mode_only_where_it_changes_the_computation():

@@ -102,7 +102,8 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 # Logged every step by every run that trained (the loss-specific keys are checked per option).
 ALWAYS = ("reward/mean", "reward/std", "success_rate", "episode/turns", "episode/generated_tokens", "env/errors",
-          "rollout/tokens_per_s", "time/rollout_s", "time/train_s", "time/step_s", "rss_mb", "groups/no_signal",
+          "rollout/tokens_per_s", "time/rollout_s", "time/train_s", "time/step_s", "time/score_s", "time/update_s",
+          "time/drift_s", "rss_mb", "groups/no_signal",
           "examples/count", "train/loss", "train/entropy", "train/ratio_mean", "train/ratio_min", "train/ratio_max",
           "train/grad_norm", "train/tokens_per_s", "lr")
 CLIPPED = ("train/clip_frac", "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl")

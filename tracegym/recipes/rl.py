@@ -78,7 +78,9 @@ from tracegym.train.health import HealthMonitor, group_health, mutual_informatio
 from tracegym.train.logging import MetricsLogger, ProgressBar
 from tracegym.train.lora import count_parameters
 from tracegym.train.optim import build_optimizer, build_scheduler
-from tracegym.train.policy_update import policy_update, score_batch
+from tracegym.train.policy_update import (batch_logprobs, every_row_needs_rescoring, old_from_forward_is_exact, policy_update,
+                                          score_batch)
+from tracegym.train.precision import training_autocast
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
 from tracegym.types import TrajectoryGroup
@@ -367,8 +369,17 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
     cfg = run.cfg
     batch = make_batch(data.examples, pad_token_id=run.pad_id, group_ids=data.group_index,
                        trajectory_ids=data.trajectory_ids)
+    # where the trainer would re-score every row (bfloat16 autocast, top-p, stale batches, TIS), one
+    # pass takes the old log-probs from the update's own forward instead (train/policy_update.py)
+    rescore = dict(epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=collected.stale,
+                   mixed_precision=training_autocast(run.model) is not None)
+    old_from_forward = every_row_needs_rescoring(run.loss_cfg, **rescore) and old_from_forward_is_exact(
+        run.model, epochs=cfg.ppo_epochs, train_mode=cfg.model.gradient_checkpointing)
+    t_score = time.perf_counter()
     batch = score_batch(run.model, run.reference, batch, run.loss_cfg, micro_batch_size=cfg.micro_batch_size,
-                        temperature=run.temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=collected.stale)
+                        temperature=run.temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=collected.stale,
+                        old_from_forward=old_from_forward)
+    t_scored = time.perf_counter()
     if cfg.guidance is not None:  # LUFFY's shaped importance weight on the expert's tokens
         batch = shape_guidance(batch, guidance_rows(collected.groups, data.group_index, data.trajectory_index),
                                cfg.guidance.shaping_gamma)
@@ -377,12 +388,18 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
         examples = replay_examples(run.replay_pool, run.step + 1, cfg.expert_replay.per_step)  # type: ignore[union-attr]
         replay = (make_batch(examples, pad_token_id=run.pad_id), cfg.expert_replay.coef)  # type: ignore[union-attr]
     sample = drift_rows(batch, cfg.health.drift_rows)
+    if sample is not None and old_from_forward:  # the drift's pi_old: the trainer's, as re-scoring would give
+        sample = sample.with_logprobs(old=batch_logprobs(run.model, sample, cfg.micro_batch_size,
+                                                         temperature=run.temperature))
     before = trainable_state(run.model) if cfg.max_policy_drift is not None and sample is not None else None
+    t_update = time.perf_counter()
     metrics = policy_update(run.model, batch, run.loss_cfg, run.optimizer, run.scheduler, epochs=cfg.ppo_epochs,
                             micro_batch_size=cfg.micro_batch_size, temperature=run.temperature,
                             max_grad_norm=cfg.optim.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
                             train_mode=cfg.model.gradient_checkpointing, replay=replay,
-                            policy_gradient=cfg.expert_replay is None or cfg.expert_replay.policy_gradient)
+                            policy_gradient=cfg.expert_replay is None or cfg.expert_replay.policy_gradient,
+                            old_from_forward=old_from_forward)
+    t_drift = time.perf_counter()
     # how far the update moved the policy; over max_policy_drift, a shorter step or none
     if before is not None:
         metrics.update(cap_drift(run.model, before, sample, max_kl=cfg.max_policy_drift,
@@ -391,6 +408,8 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
         metrics["drift/kl"] = measure_drift(run.model, sample, cfg.micro_batch_size, run.temperature)
     if run.probe is not None:
         metrics["drift/probe_nll"] = probe_nll(run.model, run.probe, cfg.micro_batch_size)
+    metrics.update({"time/score_s": t_scored - t_score, "time/update_s": t_drift - t_update,
+                    "time/drift_s": time.perf_counter() - t_drift})
     run.sampler.update_weights(run.model)
     metrics["train/tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(time.perf_counter() - t_train, 1e-9)
     return metrics

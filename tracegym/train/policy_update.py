@@ -8,6 +8,14 @@ the old policy (the PPO ratio's denominator and TIS's numerator; skipped when th
 log-probs already are the old policy's) and the reference policy's (KL in the loss). The reference
 is the LoRA base with the adapter disabled (no second copy) or a frozen copy for full fine-tuning.
 
+``old_from_forward`` (one pass, ``epochs=1``): the old policy is the very weights the single pass
+starts from, so its log-probs are the update forward's own, detached (the ratio is exactly 1 in
+the trainer's numerics), and re-scoring the whole batch first is a forward pass computed twice.
+TRL's GRPOTrainer takes the same shortcut when it makes one pass over a batch. ``score_batch`` then
+scores only rows without engine log-probs (LUFFY's shaping reads their probabilities before the
+update) and ``policy_update`` sets each micro-batch's ``old_logprobs`` from its forward. Exact
+unless a dropout is active in the update (train mode with dropout): ``old_from_forward_is_exact``.
+
 ``policy_update`` runs every micro-batch through ``compute_policy_loss`` (the registered loss, then
 masks, importance weights, aggregation, KL and entropy terms applied once) with the full batch's
 normalisers, so gradient accumulation equals one big batch; then clips gradients and steps the
@@ -28,7 +36,7 @@ from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_token
 from tracegym.memory import release_memory
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
 from tracegym.train.optim import clip_gradients
-from tracegym.train.precision import training_autocast
+from tracegym.train.precision import needs_train_mode, training_autocast
 
 
 def batch_logprobs(
@@ -87,25 +95,50 @@ def score_batch(
     epochs: int = 1,
     top_p: float = 1.0,
     stale: bool = False,
+    old_from_forward: bool = False,
 ) -> Batch:
-    """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss)."""
+    """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss).
+
+    ``old_from_forward``: ``policy_update`` takes the old log-probs from its own forward (module doc);
+    only rows without engine log-probs are scored here (None when every row has them)."""
+    if old_from_forward and epochs != 1:
+        raise ValueError(f"old_from_forward needs one pass over the batch (epochs=1), got epochs={epochs}: "
+                         "later passes must start from the first pass's log-probs")
     old = None
     mixed = training_autocast(model) is not None  # model.autocast: the engine's numerics are not the trainer's
-    if needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale, mixed_precision=mixed):
-        missing = ~batch.has_engine_logprobs.bool()
+    missing = ~batch.has_engine_logprobs.bool()
+    if old_from_forward:
+        if bool(missing.any()):
+            old = _score_rows(model, batch, torch.nonzero(missing).flatten(), micro_batch_size, temperature)
+    elif needs_old_logprobs(batch, loss_cfg, epochs=epochs, top_p=top_p, stale=stale, mixed_precision=mixed):
         if bool(missing.all()) or every_row_needs_rescoring(loss_cfg, epochs=epochs, top_p=top_p, stale=stale,
                                                             mixed_precision=mixed):
             old = batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
         else:  # only some rows lack engine log-probs (e.g. guidance rows): score those alone
-            rows = torch.nonzero(missing).flatten()
-            scored = batch_logprobs(model, batch.select(rows), micro_batch_size, temperature=temperature)
-            old = batch.engine_logprobs.clone()
-            old[rows] = 0.0
-            old[rows, : scored.shape[1]] = scored.to(old.dtype)
+            old = _score_rows(model, batch, torch.nonzero(missing).flatten(), micro_batch_size, temperature)
     ref = None
     if loss_cfg.kl_coef > 0 and loss_cfg.kl_penalty == "loss":
         ref = reference_logprobs(model, reference, batch, micro_batch_size, temperature)
     return batch.with_logprobs(old=old, ref=ref)
+
+
+def _score_rows(model: torch.nn.Module, batch: Batch, rows: torch.Tensor, micro_batch_size: int,
+                temperature: float) -> torch.Tensor:
+    """[B, T] old log-probs: the trainer's for ``rows`` (scored alone), the engine's elsewhere."""
+    if rows.numel() == batch.size:
+        return batch_logprobs(model, batch, micro_batch_size, temperature=temperature)
+    scored = batch_logprobs(model, batch.select(rows), micro_batch_size, temperature=temperature)
+    old = batch.engine_logprobs.clone()
+    old[rows] = 0.0
+    old[rows, : scored.shape[1]] = scored.to(old.dtype)
+    return old
+
+
+def old_from_forward_is_exact(model: torch.nn.Module, *, epochs: int, train_mode: bool) -> bool:
+    """Whether ``policy_update`` may take the old log-probs from its own forward: one pass, and no
+    dropout active in it (in train mode a dropout would make the forward's log-probs noisy, not the
+    old policy's)."""
+    return epochs == 1 and not (train_mode and needs_train_mode(model, False))
 
 
 def reduce_part_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -158,6 +191,7 @@ def policy_update(
     micro_batch_tokens: int | None = None,
     replay: tuple[Batch, float] | None = None,
     policy_gradient: bool = True,
+    old_from_forward: bool = False,
 ) -> dict[str, float]:
     """``epochs`` optimizer passes over ``batch``; returns ``train/<metric>`` values (see module doc).
 
@@ -170,7 +204,11 @@ def policy_update(
     ``train_mode``: run the forward passes in train mode (gradient checkpointing recomputes
     activations only there); dropout stays at its configured probability (0 for the built-in models).
     The model is left in eval mode, the mode the engine samples in.
+    ``old_from_forward`` (``epochs=1``): each micro-batch's old log-probs are its forward's own,
+    detached (module doc), replacing any ``batch.old_logprobs``.
     """
+    if old_from_forward and epochs != 1:
+        raise ValueError(f"old_from_forward needs epochs=1, got {epochs}")
     device = next(model.parameters()).device
     per_epoch: list[dict[str, float]] = []
     grad_norms: list[float] = []
@@ -190,6 +228,8 @@ def policy_update(
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
                 logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature,
                                                                first_column=part.first_loss_column)
+                if old_from_forward:  # the weights this pass starts from are the old policy: ratio 1
+                    part = part.with_logprobs(old=logprobs.detach())
                 loss, metrics = compute_policy_loss(part, logprobs, entropy, loss_cfg)
                 loss.backward()
                 parts.append(metrics)
@@ -216,5 +256,5 @@ def policy_update(
     return out
 
 
-__all__ = ["batch_logprobs", "needs_old_logprobs", "policy_update", "reduce_part_metrics", "reference_logprobs", "replay_nll_backward",
+__all__ = ["batch_logprobs", "needs_old_logprobs", "old_from_forward_is_exact", "policy_update", "reduce_part_metrics", "reference_logprobs", "replay_nll_backward",
            "score_batch"]
