@@ -126,6 +126,9 @@ def main() -> None:
         if not sep or not label or not Path(path).is_file():
             raise SystemExit(f"--against {item!r}: expected LABEL=PATH of an eval.json")
         against[label] = json.loads(Path(path).read_text(encoding="utf-8"))
+        unseen = {t.id for t in test_tasks} - set(against[label].get("per_task", {}))
+        if unseen:  # found before hours of training, not after
+            raise SystemExit(f"--against {label}: {path} did not evaluate {len(unseen)} of the {len(test_tasks)} test tasks")
 
     sft_dir = args.sft_dir or args.out / f"sft_test{demo.test_tasks}x{demo.eval_samples}"
     if not (sft_dir / "eval.json").is_file() and not args.wait_sft:
