@@ -75,7 +75,7 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
             unless ``stop_token_ids`` is passed explicitly; ``openai`` keeps it for its tool-call
             parser, its stop ids and re-tokenizing.
         **options: keyword arguments of the engine's constructor: ``HFEngine`` (``max_batch_size``,
-            ``pad_token_id``, ``prefix_cache``, ...), ``OpenAIEngine`` (``base_url``,
+            ``pad_token_id``, ``prefix_cache``, ``sample_dtype``, ...), ``OpenAIEngine`` (``base_url``,
             ``api_key_env``, ``timeout_s``, ``logprobs``, ``token_ids``, ``allow_retokenized``,
             ``max_tokens_param``, ...), ``VLLMEngine`` (``gpu_memory_utilization``, ``dtype``,
             ``enable_lora``, ... and any other ``vllm.LLM`` argument).
@@ -109,6 +109,10 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
 
             if torch.cuda.is_available():  # the recipes train there too: evaluate where they train
                 model = model.to("cuda")
+            if options.get("sample_dtype") is not None:  # loaded here, so cast in place: no second copy
+                from tracegym.engines.sampling_copy import resolve_sample_dtype
+
+                model = model.to(resolve_sample_dtype(options["sample_dtype"], next(model.parameters()).device))
             if tokenizer is None:
                 tokenizer = loaded_tokenizer
         return cls(model, tokenizer, **options)

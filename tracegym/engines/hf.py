@@ -173,6 +173,12 @@ class HFEngine(Engine):
         preallocate_kv: decode into key/value buffers reserved once per chunk (see the module
             docstring); ``False`` uses transformers' ``DynamicCache``, which copies the cache at
             every step (a benchmark compares the two).
+        sample_dtype: ``None`` samples with ``model`` itself (a reference). ``bfloat16``,
+            ``float32`` or ``auto`` (bfloat16 where the device computes it natively) sample with a
+            plain copy of ``model`` in that dtype, its LoRA adapter merged, that ``update_weights``
+            refreshes from the trainer's module (``tracegym.engines.sampling_copy``); a plain model
+            already in that dtype is used as it is. About 1.9x faster decoding on a CPU with
+            AVX512-BF16; the sampled log-probs then carry bfloat16 rounding (``sample_dtype_differs``).
     """
 
     name = "hf"
@@ -197,6 +203,7 @@ class HFEngine(Engine):
         turn_cache_mb: float = 1024.0,
         prompt_batch_tokens: int = 4096,
         preallocate_kv: bool = True,
+        sample_dtype: str | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -204,7 +211,15 @@ class HFEngine(Engine):
             raise ValueError("min_shared_prefix must be >= 1")
         if prompt_batch_tokens < 1:
             raise ValueError("prompt_batch_tokens must be >= 1")
-        self.model = model
+        from tracegym.engines.sampling_copy import resolve_sample_dtype, sampling_copy
+
+        # the trainer's module (what update_weights follows) and what the engine samples with: that
+        # very module, or its merged copy in sample_dtype
+        self.source = model
+        self.sample_dtype = resolve_sample_dtype(sample_dtype, next(model.parameters()).device)
+        self._copied = self.sample_dtype is not None and (
+            hasattr(model, "peft_config") or next(model.parameters()).dtype != self.sample_dtype)
+        self.model = sampling_copy(model, self.sample_dtype) if self._copied else model  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.max_batch_size = max_batch_size
@@ -231,8 +246,16 @@ class HFEngine(Engine):
         return (
             f"HFEngine(model={type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
             f"prefix_cache={self.prefix_cache}, share_prefix_kv={self.share_prefix_kv}, "
-            f"preallocate_kv={self.preallocate_kv}, turn_cache_mb={self.turn_cache_bytes / 2**20:g})"
+            f"preallocate_kv={self.preallocate_kv}, turn_cache_mb={self.turn_cache_bytes / 2**20:g}, "
+            f"sample_dtype={str(self.sample_dtype).removeprefix('torch.') if self.sample_dtype else None})"
         )
+
+    @property
+    def sample_dtype_differs(self) -> bool:
+        """Whether the engine samples in another dtype than the trainer's module holds (a bfloat16
+        copy of a float32 policy): its log-probs then differ from the trainer's by that rounding, so
+        an RL update takes its old log-probs from the trainer (``every_row_needs_rescoring``)."""
+        return next(self.model.parameters()).dtype != next(self.source.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
@@ -251,6 +274,9 @@ class HFEngine(Engine):
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
+        if adapters is not None and self._copied:
+            raise ValueError("per-prompt adapters need the multi-adapter model itself; this engine samples with a "
+                             "merged copy (sample_dtype): build it with sample_dtype=None")
         if adapters is not None:
             adapters = [str(a) for a in adapters]
             if len(adapters) != len(prompts):
@@ -784,14 +810,22 @@ class HFEngine(Engine):
         """Take the trainer's weights without touching the disk.
 
         - a ``torch.nn.Module`` (plain or peft/LoRA): the engine generates with that very object
-          from now on (a reference, so later in-place optimizer steps are seen too);
+          from now on (a reference, so later in-place optimizer steps are seen too); with
+          ``sample_dtype``, its merged weights are written into the engine's copy (so call this
+          after every optimizer step);
         - a mapping name -> tensor: copied into the engine's model in place. Keys may carry peft's
           ``base_model.model.`` prefix; LoRA factor tensors are refused (pass the peft model, or
           merge the adapter first), as are names the model does not have.
         """
         self.clear_cache()  # keys and values computed with the old weights must not be reused
         if isinstance(model_or_state, torch.nn.Module):
-            self.model = model_or_state
+            self.source = model_or_state
+            if self._copied:  # the merged copy in sample_dtype takes the module's current weights
+                from tracegym.engines.sampling_copy import refresh_sampling_copy
+
+                refresh_sampling_copy(self.model, model_or_state)
+            else:
+                self.model = model_or_state
             return
         if not isinstance(model_or_state, Mapping):
             raise TypeError(f"update_weights takes a torch.nn.Module or a state dict, got {type(model_or_state).__name__}")

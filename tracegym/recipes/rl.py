@@ -369,16 +369,17 @@ def update_policy(run: RLRun, collected: Collected, data: Any, t_train: float) -
     cfg = run.cfg
     batch = make_batch(data.examples, pad_token_id=run.pad_id, group_ids=data.group_index,
                        trajectory_ids=data.trajectory_ids)
-    # where the trainer would re-score every row (bfloat16 autocast, top-p, stale batches, TIS), one
-    # pass takes the old log-probs from the update's own forward instead (train/policy_update.py)
+    # where the trainer would re-score every row (bfloat16 autocast or sampling, top-p, stale batches,
+    # TIS), one pass takes the old log-probs from the update's own forward instead (train/policy_update.py)
+    sampler_differs = bool(getattr(run.sampler, "sample_dtype_differs", False))
     rescore = dict(epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=collected.stale,
-                   mixed_precision=training_autocast(run.model) is not None)
+                   mixed_precision=sampler_differs or training_autocast(run.model) is not None)
     old_from_forward = every_row_needs_rescoring(run.loss_cfg, **rescore) and old_from_forward_is_exact(
         run.model, epochs=cfg.ppo_epochs, train_mode=cfg.model.gradient_checkpointing)
     t_score = time.perf_counter()
     batch = score_batch(run.model, run.reference, batch, run.loss_cfg, micro_batch_size=cfg.micro_batch_size,
                         temperature=run.temperature, epochs=cfg.ppo_epochs, top_p=cfg.rollout.top_p, stale=collected.stale,
-                        old_from_forward=old_from_forward)
+                        old_from_forward=old_from_forward, sampler_differs=sampler_differs)
     t_scored = time.perf_counter()
     if cfg.guidance is not None:  # LUFFY's shaped importance weight on the expert's tokens
         batch = shape_guidance(batch, guidance_rows(collected.groups, data.group_index, data.trajectory_index),

@@ -96,8 +96,12 @@ def score_batch(
     top_p: float = 1.0,
     stale: bool = False,
     old_from_forward: bool = False,
+    sampler_differs: bool = False,
 ) -> Batch:
     """``batch`` with ``old_logprobs`` (when ``needs_old_logprobs``) and ``ref_logprobs`` (KL in the loss).
+
+    ``sampler_differs``: the engine sampled in other numerics than the trainer's (a bfloat16
+    sampling copy, ``HFEngine.sample_dtype_differs``), so its log-probs are not the old policy's.
 
     ``old_from_forward``: ``policy_update`` takes the old log-probs from its own forward (module doc);
     only rows without engine log-probs are scored here (None when every row has them)."""
@@ -105,7 +109,8 @@ def score_batch(
         raise ValueError(f"old_from_forward needs one pass over the batch (epochs=1), got epochs={epochs}: "
                          "later passes must start from the first pass's log-probs")
     old = None
-    mixed = training_autocast(model) is not None  # model.autocast: the engine's numerics are not the trainer's
+    # model.autocast or a sampling copy in another dtype: the engine's numerics are not the trainer's
+    mixed = sampler_differs or training_autocast(model) is not None
     missing = ~batch.has_engine_logprobs.bool()
     if old_from_forward:
         if bool(missing.any()):
