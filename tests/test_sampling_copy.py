@@ -33,11 +33,9 @@ def test_resolve_sample_dtype():
     assert resolve_sample_dtype(None, cpu) is None
     assert resolve_sample_dtype("float32", cpu) is torch.float32
     assert resolve_sample_dtype("bfloat16", cpu) is torch.bfloat16
-    from tracegym.train.precision import native_bfloat16
-
-    assert resolve_sample_dtype("auto", cpu) is (torch.bfloat16 if native_bfloat16(cpu) else torch.float32)
-    with pytest.raises(ValueError, match="sample_dtype"):
-        resolve_sample_dtype("fp8", cpu)
+    for wrong in ("fp8", "auto"):  # no auto: bfloat16 costs a merged LoRA quality, so the user picks it
+        with pytest.raises(ValueError, match="sample_dtype"):
+            resolve_sample_dtype(wrong, cpu)
 
 
 def test_float32_copy_samples_what_the_peft_model_samples():
@@ -134,6 +132,27 @@ def test_multi_adapter_models_are_refused():
     engine = HFEngine(lora_model(), sample_dtype="bfloat16")
     with pytest.raises(ValueError, match="merged copy"):
         engine.generate(PROMPTS, GREEDY, adapters=["default"] * len(PROMPTS))
+
+
+def test_a_strided_output_layer_input_is_made_contiguous():
+    """transformers hands the output layer hidden[:, -1:, :] of a prefill, a strided view; the
+    engine's forward makes it contiguous (a bfloat16 F.linear on a strided 3-D input copies the
+    whole weight per row), and removes its hook afterwards."""
+    from tracegym.engines.hf import contiguous_head_input
+
+    model, _ = load("tiny-random")
+    seen = []
+    head = model.get_output_embeddings()
+    probe = head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].is_contiguous()))  # what forward got
+    ids = torch.tensor([[5, 17, 42, 99, 3, 8], [8, 1, 250, 77, 64, 12]])
+    with torch.no_grad():
+        plain = model(input_ids=ids, logits_to_keep=1).logits
+        with contiguous_head_input(model):
+            fixed = model(input_ids=ids, logits_to_keep=1).logits
+        model(input_ids=ids, logits_to_keep=1)
+    probe.remove()
+    assert seen == [False, True, False]  # strided without the hook, contiguous with it, hook gone after
+    assert torch.allclose(plain, fixed, atol=1e-6)
 
 
 def test_make_engine_casts_a_model_it_loads():

@@ -8,10 +8,11 @@ AVX512-BF16 the matmuls run about twice as fast (an SFT step of 8 three-call cal
 this project's 2-core VM: 5.1 s against 11.4 s, bench/README.md); on a CPU without them bfloat16
 is emulated and slower, so ``auto`` turns it on only where the hardware computes it natively.
 
-The rollout engine samples in the weights' own dtype (float32 here); it is not wrapped. The trainer's
-log-probs then differ from the engine's by bfloat16 rounding, so with autocast the RL update
-re-scores the old policy with the trainer itself (``score_batch``): the PPO ratio starts at exactly
-1 and measures only the update, never the two numerics' gap.
+The rollout engine samples in the weights' own dtype (float32 here), or with its own copy in
+``sample_dtype`` (``tracegym.engines.sampling_copy``); it is not wrapped. The trainer's log-probs
+then differ from the engine's by bfloat16 rounding, so with autocast (or a bfloat16 sampling copy)
+the RL update takes the old policy's log-probs from the trainer itself (``score_batch``): the PPO
+ratio starts at exactly 1 and measures only the update, never the two numerics' gap.
 
 The mark lives on the model object (``set_training_autocast``), so every recipe and helper that
 computes training log-probs finds it without a new argument.
