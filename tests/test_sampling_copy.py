@@ -29,13 +29,12 @@ def lora_model(seed: int = 0):
 
 
 def test_resolve_sample_dtype():
-    cpu = torch.device("cpu")
-    assert resolve_sample_dtype(None, cpu) is None
-    assert resolve_sample_dtype("float32", cpu) is torch.float32
-    assert resolve_sample_dtype("bfloat16", cpu) is torch.bfloat16
+    assert resolve_sample_dtype(None) is None
+    assert resolve_sample_dtype("float32") is torch.float32
+    assert resolve_sample_dtype("bfloat16") is torch.bfloat16
     for wrong in ("fp8", "auto"):  # no auto: bfloat16 costs a merged LoRA quality, so the user picks it
         with pytest.raises(ValueError, match="sample_dtype"):
-            resolve_sample_dtype(wrong, cpu)
+            resolve_sample_dtype(wrong)
 
 
 def test_float32_copy_samples_what_the_peft_model_samples():

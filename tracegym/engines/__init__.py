@@ -112,7 +112,7 @@ def make_engine(name: str, *, model: Any, tokenizer: Any = None, renderer: Any =
             if options.get("sample_dtype") is not None:  # loaded here, so cast in place: no second copy
                 from tracegym.engines.sampling_copy import resolve_sample_dtype
 
-                model = model.to(resolve_sample_dtype(options["sample_dtype"], next(model.parameters()).device))
+                model = model.to(resolve_sample_dtype(options["sample_dtype"]))
             if tokenizer is None:
                 tokenizer = loaded_tokenizer
         return cls(model, tokenizer, **options)

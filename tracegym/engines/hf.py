@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -157,7 +157,8 @@ def contiguous_head_input(model: Any) -> Iterator[None]:
     it into one matrix product: it broadcasts the ``[V, H]`` weight to every row and copies it (B x
     49k x 576 values on SmolLM2). Measured on 2 EPYC cores, 16 rows: 83 ms instead of 22 ms in float32
     and 868 ms instead of 8 ms in bfloat16, per prefill. A forward pre-hook copies the ``[B, 1, H]``
-    rows instead (a no-op in decode steps, whose input is contiguous already)."""
+    rows instead; ``HFEngine._forward`` sets it for prefills only (a decode step's input is
+    contiguous already)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         yield
@@ -236,14 +237,15 @@ class HFEngine(Engine):
         if prompt_batch_tokens < 1:
             raise ValueError("prompt_batch_tokens must be >= 1")
         from tracegym.engines.sampling_copy import resolve_sample_dtype, sampling_copy
+        from tracegym.train.lora import is_peft_model
 
         # the trainer's module (what update_weights follows) and what the engine samples with: that
-        # very module, or its merged copy in sample_dtype
+        # very module, or its merged copy in sample_dtype (then ``self.model is not self.source``)
         self.source = model
-        self.sample_dtype = resolve_sample_dtype(sample_dtype, next(model.parameters()).device)
-        self._copied = self.sample_dtype is not None and (
-            hasattr(model, "peft_config") or next(model.parameters()).dtype != self.sample_dtype)
-        self.model = sampling_copy(model, self.sample_dtype) if self._copied else model  # type: ignore[arg-type]
+        self.sample_dtype = resolve_sample_dtype(sample_dtype)
+        copy_needed = self.sample_dtype is not None and (
+            is_peft_model(model) or next(model.parameters()).dtype != self.sample_dtype)
+        self.model = sampling_copy(model, self.sample_dtype) if copy_needed else model  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.max_batch_size = max_batch_size
@@ -298,7 +300,7 @@ class HFEngine(Engine):
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-        if adapters is not None and self._copied:
+        if adapters is not None and self.model is not self.source:
             raise ValueError("per-prompt adapters need the multi-adapter model itself; this engine samples with a "
                              "merged copy (sample_dtype): build it with sample_dtype=None")
         if adapters is not None:
@@ -403,7 +405,8 @@ class HFEngine(Engine):
         self.forward_calls += 1
         if names is not None:
             kw["adapter_names"] = list(names)
-        with contiguous_head_input(self.model):
+        prefill = kw["input_ids"].shape[1] > 1  # a decode step's [B, 1, H] input is contiguous already
+        with contiguous_head_input(self.model) if prefill else nullcontext():
             if prefix is None:
                 out = self.model(use_cache=True, logits_to_keep=1, **kw)
             else:
@@ -844,13 +847,13 @@ class HFEngine(Engine):
         """
         self.clear_cache()  # keys and values computed with the old weights must not be reused
         if isinstance(model_or_state, torch.nn.Module):
-            self.source = model_or_state
-            if self._copied:  # the merged copy in sample_dtype takes the module's current weights
+            if self.model is not self.source:  # the merged copy in sample_dtype takes the module's current weights
                 from tracegym.engines.sampling_copy import refresh_sampling_copy
 
                 refresh_sampling_copy(self.model, model_or_state)
             else:
                 self.model = model_or_state
+            self.source = model_or_state
             return
         if not isinstance(model_or_state, Mapping):
             raise TypeError(f"update_weights takes a torch.nn.Module or a state dict, got {type(model_or_state).__name__}")

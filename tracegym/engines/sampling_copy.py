@@ -35,14 +35,16 @@ from typing import Any, Literal
 
 import torch
 
+from tracegym.train.lora import is_peft_model
+
 SampleDtype = Literal["float32", "bfloat16"]
 
 __all__ = ["SampleDtype", "refresh_sampling_copy", "resolve_sample_dtype", "sampling_copy"]
 
 
-def resolve_sample_dtype(setting: str | None, device: torch.device) -> torch.dtype | None:
+def resolve_sample_dtype(setting: str | None) -> torch.dtype | None:
     """``None`` -> None (sample with the model itself); ``float32`` / ``bfloat16`` -> that dtype.
-    (No ``auto``: bfloat16 is faster where ``device`` computes it natively, but it costs a merged
+    (No ``auto``: bfloat16 is faster where the device computes it natively, but it costs a merged
     LoRA policy its quality, module docstring, so it is never picked for the user.)"""
     if setting is None:
         return None
@@ -51,10 +53,6 @@ def resolve_sample_dtype(setting: str | None, device: torch.device) -> torch.dty
     if setting == "bfloat16":
         return torch.bfloat16
     raise ValueError(f"sample_dtype must be float32 or bfloat16 (or None); got {setting!r}")
-
-
-def _is_peft(model: Any) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def _lora_layers(model: Any) -> dict[str, Any]:
@@ -82,7 +80,7 @@ def _only_lora_trains(model: Any) -> bool:
 def sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A plain transformers model in ``dtype``, eval mode, no gradients: ``model``'s weights with
     its LoRA adapter merged (in float32, then cast). ``model`` itself is left as it was."""
-    if _is_peft(model):
+    if is_peft_model(model):
         _check_mergeable(model)
         merged = copy.deepcopy(model).merge_and_unload()  # peft's own merge, on a copy
     else:
@@ -96,7 +94,7 @@ def sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
 @torch.no_grad()
 def refresh_sampling_copy(target: torch.nn.Module, model: torch.nn.Module) -> None:
     """Write ``model``'s current (merged) weights into ``target``, a ``sampling_copy`` of it."""
-    if not _is_peft(model):
+    if not is_peft_model(model):
         target.load_state_dict(model.state_dict())  # copy_ casts each tensor to the copy's dtype
         return
     if not _only_lora_trains(model):  # modules_to_save and the like: merge a fresh copy
