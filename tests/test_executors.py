@@ -89,7 +89,6 @@ def plugin(tmp_path) -> str:
     return str(path)
 
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # tests/conftest.py: the per-step collections walk only what a test makes
 
 
 def _config(out: Path, plugin: str, *overrides: str) -> RLConfig:

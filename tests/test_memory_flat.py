@@ -25,7 +25,9 @@ SCRIPT = textwrap.dedent(
     # Every rollout and update ends in a full collection (release_memory) that walks every object:
     # ~0.2 s a call over what the imports made, two a step. Those live as long as the process:
     # frozen, each collection walks only what training makes (and frees its garbage as before).
+    # The model code and peft are imported first (the run would import them lazily, unfrozen).
     import gc
+    import peft, transformers.models.llama.modeling_llama  # noqa: F401
     gc.freeze()
 
     out = sys.argv[1]

@@ -1,6 +1,6 @@
 """tracegym.models: tiny-random, name resolution, local folders, and the atomic SmolLM2 cache.
 
-Cache tests that only exercise the cache machinery swap the ~25 s GGUF de-quantisation for a
+Cache tests that only exercise the cache machinery swap the 10-15 s GGUF de-quantisation for a
 tiny-random model (``stub_gguf``). The two ``slow`` tests use the real GGUF and together
 de-quantise exactly once: to build a cache in a tmp folder (module fixture); the rebuild of a
 truncated copy of it is handed a copy of that same de-quantised model.
@@ -164,6 +164,41 @@ def test_gguf_tokenizer_equals_the_default_one():
     text = default.apply_chat_template(chat, tokenize=False) + " é\t<|endoftext|>"
     assert from_gguf(text).input_ids == default(text).input_ids
     assert (from_gguf.pad_token_id, from_gguf.eos_token_id, len(from_gguf)) == (2, 2, 49152)
+
+
+def test_gguf_read_once_shares_one_reader_per_file_inside_the_block_only(tmp_path):
+    """transformers opens a GGUF file three times per model load; inside ``_gguf_read_once`` the
+    opens of one file share one parsed reader (and one tensor-name map per architecture), whose
+    fields and tensors are those of a plain open; outside it, and after an error, gguf is itself."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.add_tensor("blk.0.ffn_down.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain = plain_reader(str(path))
+
+    with models._gguf_read_once():
+        first, again = gguf.GGUFReader(str(path)), gguf.GGUFReader(path)
+        assert first is again and isinstance(first, plain_reader)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert list(first.fields) == list(plain.fields)
+    assert [bytes(first.fields["tokenizer.ggml.tokens"].parts[i]) for i in first.fields["tokenizer.ggml.tokens"].data] == [b"a", b"b", b"c"]
+    assert [t.name for t in first.tensors] == [t.name for t in plain.tensors] == ["blk.0.ffn_down.weight"]
+    np.testing.assert_array_equal(first.tensors[0].data, plain.tensors[0].data)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (plain_reader, plain_map)
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
+
+    with pytest.raises(RuntimeError, match="load failed"), models._gguf_read_once():
+        raise RuntimeError("load failed")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (plain_reader, plain_map)
 
 
 def test_local_hf_folder_round_trip(tiny_model, tmp_path):
@@ -428,7 +463,7 @@ def test_truncated_smollm2_cache_is_rebuilt(real_cache, monkeypatch, tmp_path):
 
     def counting_dequantize(path):
         # The same GGUF gives the same model (the fixture's load checked it against the GGUF's
-        # logits): hand the rebuild a copy of that one instead of de-quantising it again (~25 s).
+        # logits): hand the rebuild a copy of that one instead of de-quantising it again (10-15 s).
         calls.append(path)
         assert path == gguf_path
         return copy.deepcopy(dequantized_model), copy.deepcopy(dequantized_tokenizer)

@@ -74,7 +74,6 @@ def letter_env():
     unregister("test-letter")
 
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # tests/conftest.py: the per-step collections walk only what a test makes
 
 
 def _config(out: Path, *overrides: str, env: str = "test-letter") -> RLConfig:
