@@ -190,3 +190,51 @@ def test_a_bfloat16_sampler_makes_the_update_take_old_logprobs_from_the_trainer(
     on_tokens = batch.loss_mask.bool()
     gap = (batch.engine_logprobs - trainer)[on_tokens].abs().max()
     assert gap > 1e-4  # bfloat16 rounding: the gap the re-scoring keeps out of the PPO ratio
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_state_dict_is_peft_s_merge_and_leaves_the_trainer_bit_identical(dtype):
+    """What vLLM loads on ``update_weights`` (without ``enable_lora``): peft's merge, HF-named, in the
+    model's dtype, while the trainer's frozen weights stay bit for bit what they were. peft's
+    in-place ``merge_adapter`` / ``unmerge_adapter`` pair, which this replaced, rounds them."""
+    from tracegym.engines.sampling_copy import merged_state_dict
+
+    model = lora_model().to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merged_state_dict(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    reference = __import__("copy").deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys() and not any("lora_" in k or "base_layer" in k for k in merged)
+    for key, value in reference.items():
+        assert merged[key].dtype == value.dtype == dtype
+        torch.testing.assert_close(merged[key].float(), value.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+    # the pair it replaced: merge then unmerge in place does not give the frozen weights back
+    with torch.no_grad():
+        model.merge_adapter()
+        model.unmerge_adapter()
+    moved = [k for k, v in model.state_dict().items() if "base_layer" in k and not torch.equal(before[k], v)]
+    assert moved, "merge/unmerge in place restored every weight exactly: the premise of this test is gone"
+
+
+def test_merged_state_dict_of_other_models():
+    """A plain model: its state, cloned. Trainable weights outside LoRA (``modules_to_save``): peft's
+    own merge on a copy, so the saved module's trained weights are what the engine gets."""
+    from peft import LoraConfig, get_peft_model
+
+    from tracegym.engines.sampling_copy import merged_state_dict
+
+    plain = load("tiny-random")[0]
+    state = merged_state_dict(plain)
+    assert state.keys() == plain.state_dict().keys()
+    assert all(torch.equal(state[k], v) and state[k].data_ptr() != v.data_ptr() for k, v in plain.state_dict().items())
+
+    model = get_peft_model(load("tiny-random")[0], LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    merged = merged_state_dict(model)
+    reference = __import__("copy").deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], v) for k, v in reference.items())
+    torch.testing.assert_close(merged["lm_head.weight"], plain.state_dict()["lm_head.weight"] + 1.0)

@@ -39,7 +39,7 @@ from tracegym.train.lora import is_peft_model
 
 SampleDtype = Literal["float32", "bfloat16"]
 
-__all__ = ["SampleDtype", "refresh_sampling_copy", "resolve_sample_dtype", "sampling_copy"]
+__all__ = ["SampleDtype", "merged_state_dict", "refresh_sampling_copy", "resolve_sample_dtype", "sampling_copy"]
 
 
 def resolve_sample_dtype(setting: str | None) -> torch.dtype | None:
@@ -91,6 +91,46 @@ def sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
     return merged
 
 
+def _merged_weight(layer: Any) -> torch.Tensor:
+    """A LoRA layer's ``W + sum over its active adapters of scale * B @ A``, in float32."""
+    weight = layer.get_base_layer().weight.detach().float()
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+            weight = weight + layer.get_delta_weight(adapter).float()
+    return weight
+
+
+def _plain_lora(model: Any) -> bool:
+    """Only LoRA factors train, and no adapter is DoRA: ``_merged_weight`` is then peft's merge."""
+    configs = (getattr(model, "peft_config", {}) or {}).values()
+    return _only_lora_trains(model) and not any(getattr(config, "use_dora", False) for config in configs)
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights as the state dict of a plain transformers model (LoRA merged, HF names,
+    each tensor in the model's own dtype), computed without touching ``model``.
+
+    For the engines that load whole weights (vLLM without ``enable_lora``): peft's ``merge_adapter``
+    / ``unmerge_adapter`` would add each delta into the trainer's frozen weights and subtract it again,
+    which rounds: every sync would move the base model a little (in bfloat16 by up to a unit in the
+    last place, 2^-8 relative, wherever the delta is not negligible). Here each LoRA layer's merged
+    weight is computed in float32 beside the model (``_merged_weight``) and cast; every other tensor
+    is cloned. DoRA adapters and trainable weights outside LoRA (``modules_to_save``) are merged by
+    peft's own ``merge_and_unload`` on a copy of the model. A plain model: its state, cloned."""
+    if not is_peft_model(model):
+        return {key: value.detach().clone() for key, value in model.state_dict().items()}
+    if not _plain_lora(model):
+        return copy.deepcopy(model).merge_and_unload().state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.get_base_model().state_dict().items():
+        if "lora_" not in key:
+            state[key.replace(".base_layer.", ".")] = value.detach().clone()
+    for name, layer in _lora_layers(model).items():
+        state[f"{name}.weight"] = _merged_weight(layer).to(layer.get_base_layer().weight.dtype)
+    return state
+
+
 @torch.no_grad()
 def refresh_sampling_copy(target: torch.nn.Module, model: torch.nn.Module) -> None:
     """Write ``model``'s current (merged) weights into ``target``, a ``sampling_copy`` of it."""
@@ -103,9 +143,4 @@ def refresh_sampling_copy(target: torch.nn.Module, model: torch.nn.Module) -> No
     _check_mergeable(model)
     params = dict(target.named_parameters())
     for name, layer in _lora_layers(model).items():
-        base = layer.get_base_layer()
-        weight = base.weight.detach().float()
-        for adapter in layer.active_adapters:
-            if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
-                weight = weight + layer.get_delta_weight(adapter).float()
-        params[f"{name}.weight"].copy_(weight)
+        params[f"{name}.weight"].copy_(_merged_weight(layer))

@@ -354,7 +354,9 @@ class VLLMEngine(Engine):
         if self.enable_lora:
             self._set_lora(model_or_state)
             return
-        self.load_state_dict(merged_state_dict(model_or_state))
+        from tracegym.engines.sampling_copy import merged_state_dict  # torch and peft: imported on use
+
+        self.load_state_dict(merged_state_dict(model_or_state))  # the trainer's weights stay untouched
 
     def _set_lora(self, peft_model: Any) -> None:
         """Every adapter of ``peft_model`` as a new version; its active adapter becomes the default
@@ -468,24 +470,3 @@ def _prompt_values(output: Any, row: list[int]) -> list[float]:
             raise RuntimeError(f"vLLM's prompt log-probs at position {i} lack the sequence's token {row[i]}")
         values.append(float(getattr(found, "logprob", found)))
     return values
-
-
-def merged_state_dict(peft_model: Any) -> dict[str, Any]:
-    """The base model's weights with the LoRA deltas added, HF-named, without modifying the model.
-
-    peft's ``merge_adapter`` adds the deltas in place and ``unmerge_adapter`` subtracts them again,
-    so the trainer's model is unchanged afterwards (up to float rounding of the add/subtract).
-    """
-    import torch
-
-    with torch.no_grad():
-        peft_model.merge_adapter()
-        try:
-            state: dict[str, Any] = {}
-            for key, value in peft_model.get_base_model().state_dict().items():
-                if "lora_" in key:
-                    continue
-                state[key.replace(".base_layer.", ".")] = value.detach().clone()
-        finally:
-            peft_model.unmerge_adapter()
-    return state
