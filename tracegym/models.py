@@ -357,8 +357,8 @@ def _gguf_read_once() -> Iterator[None]:
     vocabulary strings and 48,900 merges). Mapping the weights' names also builds
     ``gguf.TensorNameMap`` once per module (397 times for SmolLM2), though it depends only on the
     architecture and the layer count. Measured on a 2-core AVX2 EPYC VM, each in a fresh process,
-    alternating: the SmolLM2 de-quantisation 29.2 and 29.7 s as transformers does it, 11.6 and
-    12.3 s inside this block, with identical weights and vocabulary.
+    alternating: the SmolLM2 de-quantisation 29-40 s as transformers does it, 12-17 s inside this
+    block (2.3x by the median, ``bench/gguf_load.py``), with identical weights and vocabulary.
 
     The reader is read-only here (transformers takes fields and tensor views from it), so one
     reader per path serves every open; both patches are undone when the block ends.
