@@ -89,8 +89,6 @@ def plugin(tmp_path) -> str:
     return str(path)
 
 
-
-
 def _config(out: Path, plugin: str, *overrides: str) -> RLConfig:
     data = {
         "plugins": [plugin],

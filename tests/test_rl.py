@@ -74,8 +74,6 @@ def letter_env():
     unregister("test-letter")
 
 
-
-
 def _config(out: Path, *overrides: str, env: str = "test-letter") -> RLConfig:
     data = {
         "model": {"name": "tiny-random"},
