@@ -10,7 +10,9 @@
    temperature/top-p transform) and prints mean/max |delta log-prob| (expect ~1e-3..1e-2 with vLLM's
    bf16/fp16 kernels; a gap near 1 means the log-probs are from another distribution).
 4. Weight sync: perturbs the HF model, sends it with ``update_weights`` and checks greedy outputs
-   change and match the perturbed HF model's greedy tokens on most prompts.
+   change and match the perturbed HF model's greedy tokens on most prompts; then sends a peft
+   model with a LoRA adapter (merged on the way, ``merged_state_dict``) and checks that the
+   trainer's frozen weights are bit-identical afterwards and vLLM's greedy tokens match its own.
 5. An RL run with ``rollout.engine: vllm`` (LoRA hot-swapped into vLLM under a new versioned name
    after every update): ``--rl-steps`` steps of GRPO on one-call calculator problems, printing
    seconds per step, the engine/trainer log-prob gap the recipe measures, and the reward.
@@ -105,12 +107,43 @@ def main() -> int:
             agree += ref[:4] == list(g.token_ids[:4])
     print(f"weight sync: greedy outputs changed on {changed}/8 prompts; first 4 tokens match the updated HF model on {agree}/8")
     ok = float(finite.mean()) < args.max_mean_gap and changed >= 4 and agree >= 6
+    ok = merged_lora_sync(engine, hf, prompts[:8], renderer) and ok
     engine.close()
     del engine
     if args.rl_steps:
         ok = rl_with_vllm(args.rl_steps, args.max_mean_gap) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def merged_lora_sync(engine, hf, prompts, renderer) -> bool:
+    """4b. A peft model sent whole (``update_weights``, no ``enable_lora``): vLLM gets the merge
+    (``merged_state_dict``), and the trainer's frozen weights stay bit for bit what they were."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tracegym.types import SamplingParams
+
+    policy = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    frozen = {k: v.clone() for k, v in policy.state_dict().items() if "base_layer" in k}
+    engine.update_weights(policy)
+    untouched = all(torch.equal(frozen[k], v) for k, v in policy.state_dict().items() if k in frozen)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    out = engine.generate(prompts, greedy)
+    agree = 0
+    with torch.inference_mode():
+        for prompt, [g] in zip(prompts, out):
+            ids = torch.tensor([prompt], device="cuda")
+            ref = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                  eos_token_id=list(renderer.stop_token_ids), pad_token_id=0)[0, len(prompt):].tolist()
+            agree += ref[:4] == list(g.token_ids[:4])
+    print(f"merged LoRA sync: trainer's frozen weights bit-identical: {untouched}; first 4 tokens match the peft "
+          f"model on {agree}/{len(prompts)}")
+    return untouched and agree >= 6
 
 
 def rl_with_vllm(steps: int, max_gap: float) -> bool:
