@@ -122,12 +122,14 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in model.state_dict().items()}
     if not _plain_lora(model):
         return copy.deepcopy(model).merge_and_unload().state_dict()
+    layers = _lora_layers(model)
+    merged = {f"{name}.weight": _merged_weight(layer).to(layer.get_base_layer().weight.dtype)
+              for name, layer in layers.items()}
     state: dict[str, torch.Tensor] = {}
     for key, value in model.get_base_model().state_dict().items():
-        if "lora_" not in key:
-            state[key.replace(".base_layer.", ".")] = value.detach().clone()
-    for name, layer in _lora_layers(model).items():
-        state[f"{name}.weight"] = _merged_weight(layer).to(layer.get_base_layer().weight.dtype)
+        name = key.replace(".base_layer.", ".")
+        if "lora_" not in key:  # an adapted layer's base weight is not cloned: its merge replaces it
+            state[name] = merged[name] if name in merged else value.detach().clone()
     return state
 
 
