@@ -16,7 +16,10 @@ setting runs in its own process (its peak RSS is its own):
   timed unit includes ``score_batch``: a re-scoring pass over the whole batch first (the RL recipe
   until 2026-12-06), or the old log-probs taken from the update's own forward (``old_from_forward``,
   one pass: ``tracegym/train/policy_update.py``). On a CPU without native bfloat16 these two
-  settings are slow (emulated) and beside the point.
+  settings are slow (emulated) and beside the point;
+- ``expert replay``: the demo's update, with its replay term (as many expert traces as groups,
+  PPO-ptx's NLL mix), the system prompt every row starts with run per micro-batch (the code before
+  2026-12-07) or once per update, forward and backward (``tracegym/train/step_prefix.py``).
 
 Run from the repository root, nothing else on the CPU::
 
@@ -36,15 +39,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-prob chunk, autocast, old_from_forward)
-    "1 row a pass, full logits, 1024-position chunks": (1, False, 1024, "none", False),
-    "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024, "none", False),
-    "1 row a pass, full logits": (1, False, 32, "none", False),
-    "6 rows a pass, full logits": (6, False, 32, "none", False),
-    "6 rows a pass, 128-position chunks": (6, True, 128, "none", False),
-    "6 rows a pass": (6, True, 32, "none", False),
-    "6 rows a pass, bfloat16, re-scoring pass first": (6, True, 32, "bfloat16", False),
-    "6 rows a pass, bfloat16, old log-probs from the update's forward": (6, True, 32, "bfloat16", True),
+SETTINGS = {  # name: (micro-batch rows, fused output layer, positions per log-prob chunk, autocast, old_from_forward,
+    #               expert replay, step prefix)
+    "1 row a pass, full logits, 1024-position chunks": (1, False, 1024, "none", False, False, False),
+    "6 rows a pass, full logits, 1024-position chunks": (6, False, 1024, "none", False, False, False),
+    "1 row a pass, full logits": (1, False, 32, "none", False, False, False),
+    "6 rows a pass, full logits": (6, False, 32, "none", False, False, False),
+    "6 rows a pass, 128-position chunks": (6, True, 128, "none", False, False, False),
+    "6 rows a pass": (6, True, 32, "none", False, False, False),
+    "6 rows a pass, bfloat16, re-scoring pass first": (6, True, 32, "bfloat16", False, False, False),
+    "6 rows a pass, bfloat16, old log-probs from the update's forward": (6, True, 32, "bfloat16", True, False, False),
+    "6 rows a pass, expert replay, prompt per micro-batch": (6, True, 32, "none", True, True, False),
+    "6 rows a pass, expert replay, system prompt once per update": (6, True, 32, "none", True, True, True),
 }
 
 
@@ -63,7 +69,11 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
     from tracegym.train.policy_update import policy_update, score_batch
     from tracegym.types import TrajectoryGroup
 
-    micro_batch_size, fused, chunk_rows, autocast, old_from_forward = SETTINGS[name]
+    micro_batch_size, fused, chunk_rows, autocast, old_from_forward, with_replay, step_prefix = SETTINGS[name]
+    if not step_prefix:  # each micro-batch runs the system prompt itself (the code before 2026-12-07)
+        import tracegym.train.policy_update as policy_update_module
+
+        policy_update_module.step_prefix = lambda *args, **kwargs: None
     if not fused:
         logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
     logprobs.DEFAULT_CHUNK_ROWS = logprobs.FUSED_CHUNK_ROWS = chunk_rows
@@ -81,6 +91,10 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
     batch = make_batch(data.examples, pad_token_id=tokenizer.pad_token_id, group_ids=data.group_index,
                        trajectory_ids=data.trajectory_ids)
     batch = dataclasses.replace(batch, has_engine_logprobs=torch.ones_like(batch.has_engine_logprobs))  # as sampled
+    replay = None
+    if with_replay:  # the demo's PPO-ptx term: as many expert traces as groups, coefficient 1
+        replay = (make_batch([x for e in episodes for x in renderer.build_examples(e)], pad_token_id=tokenizer.pad_token_id),
+                  1.0)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, updates)
     seconds, losses = [], []
@@ -89,7 +103,7 @@ def run_setting(name: str, tasks: int, updates: int) -> dict:
         scored = score_batch(model, reference, batch, loss_cfg, micro_batch_size=micro_batch_size, temperature=0.7,
                              old_from_forward=old_from_forward)  # a no-op in float32 (the engine's log-probs stand)
         metrics = policy_update(model, scored, loss_cfg, optimizer, scheduler, epochs=1, micro_batch_size=micro_batch_size,
-                                temperature=0.7, max_grad_norm=1.0, old_from_forward=old_from_forward)
+                                temperature=0.7, max_grad_norm=1.0, old_from_forward=old_from_forward, replay=replay)
         seconds.append(time.perf_counter() - start)
         losses.append(metrics["train/loss"])
     return {"update_s": seconds, "loss": losses[0], "rows": batch.size, "tokens": int(batch.attention_mask.sum()),

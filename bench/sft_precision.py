@@ -11,7 +11,10 @@ clip 1.0), run in the settings below, each in its own subprocess (so each peak R
   turns off; fixed-dataset recipes now train in eval mode unless dropout or checkpointing needs it);
 - ``bfloat16 autocast, 8 rows a pass, eval mode``: ``model.autocast: bfloat16`` on top (matmuls in
   bfloat16 on AMX / AVX512-BF16; weights, gradients and AdamW in float32);
-- the same at 4 rows a pass (a lower peak).
+- the same at 4 rows a pass (a lower peak);
+- at 4 and 2 rows a pass, with and without the step prefix (``tracegym/train/step_prefix.py``: the
+  system prompt every row starts with runs once per optimizer step, forward and backward, instead of
+  once per micro-batch; "prefix per micro-batch" is the code before 2026-12-07).
 
 Run from the repository root, nothing else on the CPU::
 
@@ -34,24 +37,32 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {  # name: (autocast, micro-batch rows, train mode, fused output layer)
-    "float32, 1 row a pass, train mode, full logits": ("none", 1, True, False),
-    "float32, 8 rows a pass, eval mode, full logits": ("none", 8, False, False),
-    "float32, 8 rows a pass, eval mode": ("none", 8, False, True),
-    "float32, 4 rows a pass, eval mode": ("none", 4, False, True),
-    "bfloat16 autocast, 8 rows a pass, eval mode": ("bfloat16", 8, False, True),
-    "bfloat16 autocast, 4 rows a pass, eval mode": ("bfloat16", 4, False, True),
+SETTINGS = {  # name: (autocast, micro-batch rows, train mode, fused output layer, step prefix)
+    "float32, 1 row a pass, train mode, full logits": ("none", 1, True, False, False),
+    "float32, 8 rows a pass, eval mode, full logits": ("none", 8, False, False, False),
+    "float32, 8 rows a pass, eval mode": ("none", 8, False, True, True),
+    "float32, 4 rows a pass, eval mode, prefix per micro-batch": ("none", 4, False, True, False),
+    "float32, 4 rows a pass, eval mode": ("none", 4, False, True, True),
+    "float32, 2 rows a pass, eval mode, prefix per micro-batch": ("none", 2, False, True, False),
+    "float32, 2 rows a pass, eval mode": ("none", 2, False, True, True),
+    "bfloat16 autocast, 8 rows a pass, eval mode": ("bfloat16", 8, False, True, True),
+    "bfloat16 autocast, 4 rows a pass, eval mode, prefix per micro-batch": ("bfloat16", 4, False, True, False),
+    "bfloat16 autocast, 4 rows a pass, eval mode": ("bfloat16", 4, False, True, True),
 }
 
 
 def run_setting(job: dict[str, Any], name: str) -> dict[str, Any]:
     from sft_vs_plain import run_tracegym
 
-    autocast, micro_batch_size, train_mode, fused = SETTINGS[name]
+    autocast, micro_batch_size, train_mode, fused, step_prefix = SETTINGS[name]
     if not fused:  # the output layer as the model applies it: full [B, L, V] logits, then the log-probs
         import tracegym.train.logprobs as logprobs
 
         logprobs.FUSED_HEAD_MODEL_TYPES = frozenset()
+    if not step_prefix:  # each micro-batch runs the system prompt itself (the code before 2026-12-07)
+        import tracegym.recipes.sft as sft
+
+        sft.step_prefix = lambda *args, **kwargs: None
     return run_tracegym(job, autocast=autocast, micro_batch_size=micro_batch_size, train_mode=train_mode)
 
 
@@ -63,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per setting")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 2))
-    parser.add_argument("--only", default="", help="run the settings whose name holds this text (e.g. float32: "
-                        "bfloat16 autocast is slow where the CPU has no native bfloat16)")
+    parser.add_argument("--only", default="", help="run the settings whose name holds this text, or one of "
+                        "several separated by '|' (e.g. float32: bfloat16 autocast is slow where the CPU has no "
+                        "native bfloat16)")
     parser.add_argument("--worker", nargs=2, metavar=("SETTING", "JOB"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -88,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         job = sft_vs_plain.build_job(job_args, Path(tmp))
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job), encoding="utf-8")
-        results = run_settings(__file__, {name: [str(i), str(job_file)] for i, name in enumerate(SETTINGS) if args.only in name})
+        results = run_settings(__file__, {name: [str(i), str(job_file)] for i, name in enumerate(SETTINGS)
+                                               if any(part in name for part in args.only.split("|"))})
     lengths = [len(e["input_ids"]) for e in job["examples"]]
     print(f"{machine_line(args.threads)} | {args.model}, "
           f"{len(job['examples'])} expert calculator traces (num_calls={args.num_calls}, {min(lengths)}-{max(lengths)} "

@@ -45,6 +45,7 @@ from tracegym.rl.policy import load_policy
 from tracegym.train.checkpoint import save_final
 from tracegym.train.logging import process_rss_mb
 from tracegym.train.logprobs import token_logprobs
+from tracegym.train.step_prefix import step_prefix
 from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
@@ -139,17 +140,23 @@ def accumulate_sft_gradients(
     """
     batch = make_batch(examples, pad_token_id=pad_id)
     loss_sum = 0.0
+    # the system prompt and tool schemas every row starts with run once for the whole batch, not once
+    # per micro-batch (tracegym/train/step_prefix.py; None in train mode or without such a prefix)
+    prefix = step_prefix(model, [(batch.input_ids, batch.attention_mask, batch.first_loss_column)])
     # rows of similar length share a micro-batch (each part is trimmed to its longest row), so little
     # padding is computed; the sum over parts is the same gradient, whichever rows go together. The
     # token-level SFT loss needs no whole trajectories per part (only sequence-level RL losses do).
     for micro in split_microbatches(batch, micro_batch_size, sort_by_length=True, keep_trajectories=False):
         micro = micro.to(device)
         # [b, T], target-aligned; the output layer runs only from the first trained column on
-        logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, first_column=micro.first_loss_column)
+        logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, first_column=micro.first_loss_column,
+                                  prefix=prefix)
         loss, _ = sft_loss(logprobs, micro.loss_mask, micro.weights, normalizers=micro.normalizers)
         if torch.is_grad_enabled():
             loss.backward()
         loss_sum += float(loss.detach())
+    if prefix is not None:
+        prefix.backward()  # the micro-batches' gradients w.r.t. the prefix, through its forward once
     return {"loss": loss_sum, "loss_tokens": batch.num_loss_tokens, "tokens": int(batch.attention_mask.sum())}
 
 

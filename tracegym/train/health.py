@@ -145,14 +145,16 @@ def cross_logprob_matrix(
     ``j`` (teacher-forced), for the ``B`` pairs ``(prompt x_j, response y_j)``.
 
     B^2 forward passes of ``len(x_j) + len(y_i)`` tokens, no gradient, in eval mode (the model's
-    mode is restored after). They run prompt by prompt: the B rows of one prompt, in micro-batches of
-    ``micro_batch_size``, share that whole prompt, which ``token_logprobs`` then computes once per
-    micro-batch (shared prefix, docs/algorithms.md "Log-probs"), so the cost is about B prompt
-    passes plus B^2 response passes.
+    mode is restored after). Two levels of shared prefix: what all B prompts share (an env's system
+    prompt and tool schemas) runs once (``step_prefix``); then prompt by prompt, the B rows of one
+    prompt, in micro-batches of ``micro_batch_size``, share the rest of that prompt, which
+    ``token_logprobs`` runs once per micro-batch (docs/algorithms.md "Log-probs"). The cost is about
+    one common prefix, B prompt remainders and B^2 responses.
     """
     import torch
 
     from tracegym.train.info_gain import mean_completion_logprobs
+    from tracegym.train.step_prefix import step_prefix
 
     size = len(pairs)
     matrix = torch.empty(size, size, dtype=torch.float64)  # [B responses, B prompts]
@@ -160,10 +162,13 @@ def cross_logprob_matrix(
     model.eval()
     try:
         with torch.no_grad():
+            prompts = [torch.tensor(list(prompt), dtype=torch.long)[None] for prompt, _ in pairs]  # [1, len(x_j)] each
+            # a logit is needed from each prompt's last token on: the prefix stops before it
+            prefix = step_prefix(model, [(ids, torch.ones_like(ids), ids.shape[1] - 1) for ids in prompts])
             for j, (prompt, _) in enumerate(pairs):
                 rows = [(tuple(prompt), tuple(response)) for _, response in pairs]  # response i after prompt j
-                scores = mean_completion_logprobs(model, rows, temperature=temperature,
-                                                  micro_batch_size=micro_batch_size, pad_token_id=pad_token_id)
+                scores = mean_completion_logprobs(model, rows, temperature=temperature, micro_batch_size=micro_batch_size,
+                                                  pad_token_id=pad_token_id, prefix=prefix)
                 matrix[:, j] = torch.tensor(scores, dtype=torch.float64)
     finally:
         model.train(was_training)

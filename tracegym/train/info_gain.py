@@ -47,6 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from tracegym.train.logprobs import token_logprobs
+from tracegym.train.step_prefix import StepPrefix
 from tracegym.types import Message, Trajectory, TrajectoryGroup, Turn
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,11 @@ def mean_completion_logprobs(
     temperature: float = 1.0,
     micro_batch_size: int = 4,
     pad_token_id: int = 0,
+    prefix: StepPrefix | None = None,
 ) -> list[float]:
     """``(1/n) sum_j log pi(c_j | p, c_<j)`` of every ``(prompt p, completion c)`` (c non-empty),
-    teacher-forced, no gradient, in micro-batches of right-padded sequences sorted by length."""
+    teacher-forced, no gradient, in micro-batches of right-padded sequences sorted by length.
+    ``prefix``: a prefix the prompts share, already run (``tracegym.train.step_prefix``)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     for prompt, completion in sequences:
@@ -122,7 +125,8 @@ def mean_completion_logprobs(
             mask[r, : len(row)] = 1
         # column c predicts token c + 1: the completion of prompt length p sits in columns p-1 .. p+n-2
         first = min(len(sequences[k][0]) for k in part) - 1
-        logp = token_logprobs(model, ids.to(device), mask.to(device), temperature=temperature, first_column=first)
+        logp = token_logprobs(model, ids.to(device), mask.to(device), temperature=temperature, first_column=first,
+                              prefix=prefix)
         logp = logp.double().cpu()
         for r, k in enumerate(part):
             p, n = len(sequences[k][0]), len(sequences[k][1])

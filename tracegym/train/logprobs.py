@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from tracegym.train.precision import training_forward_context
+from tracegym.train.step_prefix import MIN_SHARED_PREFIX, StepPrefix, common_prefix_length, plain_cache_layers
 
 DEFAULT_CHUNK_ROWS = 32  # positions per chunk: 32 x 49k x 4 bytes = 6 MB temporaries (cache-sized: 4x faster than 1024 on a 2-core CPU)
 
@@ -257,33 +258,15 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int = DE
     return _run(logits, None, temperature, chunk_rows, with_entropy=True)[1]
 
 
-MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate forward pass
-
-
 def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, first_column: int) -> int:
     """Tokens at the start that every row holds alike (real tokens, not padding), at most
     ``first_column`` (no logit is needed inside the prefix): the part of a micro-batch's rows worth
     computing once. 0 when below ``MIN_SHARED_PREFIX`` or with a single row."""
-    if input_ids.shape[0] < 2 or first_column < MIN_SHARED_PREFIX:
-        return 0
-    limit = min(first_column, int(attention_mask.sum(-1).min()) - 1)
-    if limit < MIN_SHARED_PREFIX:
-        return 0
-    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(0) & (attention_mask[:, :limit] == 1).all(0)  # [limit]
-    differs = (~same).nonzero()
-    length = int(differs[0]) if differs.numel() else limit
-    return length if length >= MIN_SHARED_PREFIX else 0
-
-
-def _plain_cache_layers(cache: Any) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return common_prefix_length([(input_ids, attention_mask, first_column)])
 
 
 def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int = 0,
-                   share_prefix: bool = True) -> Tensor:
+                   share_prefix: bool = True, prefix: StepPrefix | None = None) -> Tensor:
     """Logits of positions ``first_column .. L-1``: [B, L - first_column, V].
 
     ``logits_to_keep`` makes the model apply its output layer to those positions only: the hidden
@@ -299,14 +282,17 @@ def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, first_
     attending to it. Exact: a causal prefix never sees what follows it, so every row's prefix
     states are the same computation (float rounding aside: other matmul shapes).
 
+    ``prefix``: a step's shared prefix, already run (``tracegym.train.step_prefix``); rows it covers
+    start from its keys and values, and only what they share beyond it runs at batch 1.
+
     A model marked with ``model.autocast`` runs under ``torch.autocast`` (``train/precision.py``):
     the logits come out bfloat16 and the log-prob arithmetic upcasts them chunk by chunk."""
     with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
-        return _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix)
+        return _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix, prefix)
 
 
 def _forward_kept(model: Any, body: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
-                  share_prefix: bool) -> Tensor:
+                  share_prefix: bool, step: StepPrefix | None = None) -> Tensor:
     """Positions ``first_column .. L-1`` of the model's output: logits [B, n, V] (``body`` None) or,
     through ``body`` (``output_head``), the final hidden states [B, n, H] the output layer would read."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
@@ -318,10 +304,14 @@ def _forward_kept(model: Any, body: Any, input_ids: Tensor, attention_mask: Tens
         raise ValueError("sequences need at least 2 tokens to have a next-token log-prob")
     if not 0 <= first_column < length - 1:
         raise ValueError(f"first_column must be in [0, {length - 2}] for sequences of {length} tokens, got {first_column}")
-    prefix = shared_prefix_length(input_ids, attention_mask, first_column) if share_prefix and not getattr(
-        model, "training", False) else 0
+    sharing = share_prefix and not getattr(model, "training", False)
+    prefix = shared_prefix_length(input_ids, attention_mask, first_column) if sharing else 0
+    if step is not None and not (sharing and step.covers(input_ids, attention_mask, first_column)):
+        step = None
+    if step is not None:
+        prefix = max(prefix, step.length)  # a single row, or rows that share no more than the step's prefix
     if prefix:
-        out = _forward_after_prefix(model, body, input_ids, attention_mask, first_column, prefix)
+        out = _forward_after_prefix(model, body, input_ids, attention_mask, first_column, prefix, step)
         if out is not None:
             return out
     if body is not None:
@@ -336,20 +326,27 @@ def _forward_kept(model: Any, body: Any, input_ids: Tensor, attention_mask: Tens
 
 
 def _forward_after_prefix(model: Any, body: Any, input_ids: Tensor, attention_mask: Tensor, first_column: int,
-                          prefix: int) -> Tensor | None:
+                          prefix: int, step: StepPrefix | None = None) -> Tensor | None:
     """The shared-prefix forward of :func:`forward_logits` (None when the model's cache is not a
     plain full-attention one, whose rows can be repeated and extended exactly); through ``body``,
-    hidden states instead of logits."""
+    hidden states instead of logits. With ``step`` (covering these rows, ``prefix >= step.length``)
+    the cache starts from the step's prefix and only tokens ``step.length .. prefix`` run at batch 1."""
     from transformers import DynamicCache
 
     rows, length = input_ids.shape
-    cache = DynamicCache(config=getattr(model, "config", None))
-    head_kwargs: dict[str, Any] = {} if body is not None else {"logits_to_keep": 1}
-    (body or model)(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], cache=cache,
-                    use_cache=True, **head_kwargs)
-    if not _plain_cache_layers(cache):
-        return None
-    cache.batch_repeat_interleave(rows)  # [1, H, P, D] -> [B, H, P, D] per layer (differentiable)
+    start = step.length if step is not None else 0
+    if step is not None:
+        cache = step.cache(model, 1 if prefix > start else rows)
+    else:
+        cache = DynamicCache(config=getattr(model, "config", None))
+    if prefix > start:
+        head_kwargs: dict[str, Any] = {} if body is not None else {"logits_to_keep": 1}
+        (body or model)(input_ids=input_ids[:1, start:prefix], attention_mask=attention_mask[:1, :prefix],
+                        position_ids=torch.arange(start, prefix, device=input_ids.device)[None], cache=cache,
+                        use_cache=True, **head_kwargs)
+        if not plain_cache_layers(cache):
+            return None
+        cache.batch_repeat_interleave(rows)  # [1, H, P, D] -> [B, H, P, D] per layer (differentiable)
     positions = torch.arange(prefix, length, device=input_ids.device)[None].expand(rows, -1)  # [B, L - P]
     if body is not None:
         hidden = body(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
@@ -364,7 +361,8 @@ def _forward_after_prefix(model: Any, body: Any, input_ids: Tensor, attention_ma
 
 
 def _logprobs_and_entropy(model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float, chunk_rows: int | None,
-                          first_column: int, share_prefix: bool, with_entropy: bool, fused_head: bool) -> tuple[Tensor, Tensor]:
+                          first_column: int, share_prefix: bool, with_entropy: bool, fused_head: bool,
+                          prefix: StepPrefix | None = None) -> tuple[Tensor, Tensor]:
     """Target-aligned (log-probs [B, L-1], entropies [B, L-1] or empty): through the fused output
     layer where the model allows it (``output_head``), else from full logits."""
     _check_temperature(temperature)
@@ -372,11 +370,11 @@ def _logprobs_and_entropy(model: Any, input_ids: Tensor, attention_mask: Tensor,
     found = output_head(model) if fused_head else None
     with training_forward_context(model, input_ids.device):  # model.autocast (tracegym/train/precision.py)
         if found is not None:
-            hidden = _forward_kept(model, found[0], input_ids, attention_mask, first_column, share_prefix)
+            hidden = _forward_kept(model, found[0], input_ids, attention_mask, first_column, share_prefix, prefix)
             logp, entropy = _run_fused(hidden, found[1], targets, temperature,
                                         FUSED_CHUNK_ROWS if chunk_rows is None else chunk_rows, with_entropy)
         else:
-            logits = _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix)
+            logits = _forward_kept(model, None, input_ids, attention_mask, first_column, share_prefix, prefix)
     if found is None:
         logp, entropy = _run(logits, targets, temperature, DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows, with_entropy)
     return pad_front(logp[:, :-1], first_column), (pad_front(entropy[:, :-1], first_column) if with_entropy else entropy)
@@ -399,6 +397,7 @@ def pad_front(values: Tensor, first_column: int) -> Tensor:
 def token_logprobs(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
     chunk_rows: int | None = None, first_column: int = 0, share_prefix: bool = True, fused_head: bool = True,
+    prefix: StepPrefix | None = None,
 ) -> Tensor:
     """Log-prob of each next token under ``model``: [B, L] ids -> [B, L-1] float32 (target-aligned).
 
@@ -408,19 +407,22 @@ def token_logprobs(
     output layer chunk by chunk inside the log-prob function where the model allows it (no [B, L, V]
     logits; ``output_head``); False always takes full logits (the two agree to float rounding).
     ``chunk_rows``: positions per chunk (default ``FUSED_CHUNK_ROWS`` fused, ``DEFAULT_CHUNK_ROWS`` not).
+    ``prefix``: a step's shared prefix already run (``tracegym.train.step_prefix``; call its
+    ``backward()`` after the step's last micro-batch when training).
     """
     return _logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_rows, first_column, share_prefix,
-                                 with_entropy=False, fused_head=fused_head)[0]
+                                 with_entropy=False, fused_head=fused_head, prefix=prefix)[0]
 
 
 def token_logprobs_and_entropy(
     model: Any, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
     chunk_rows: int | None = None, first_column: int = 0, share_prefix: bool = True, fused_head: bool = True,
+    prefix: StepPrefix | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(log-probs, entropies)``, both [B, L-1] float32 and target-aligned, from one forward pass;
     columns before ``first_column`` hold 0 (arguments as ``token_logprobs``)."""
     return _logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_rows, first_column, share_prefix,
-                                 with_entropy=True, fused_head=fused_head)
+                                 with_entropy=True, fused_head=fused_head, prefix=prefix)
 
 
 # the names these had while only this module used them (kept for callers of the old names)

@@ -35,6 +35,7 @@ from tracegym.algos.compose import compute_policy_loss
 from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_tokens, split_microbatches
 from tracegym.memory import release_memory
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
+from tracegym.train.step_prefix import StepPrefix, step_prefix
 from tracegym.train.optim import clip_gradients
 from tracegym.train.precision import needs_train_mode, training_autocast
 
@@ -50,9 +51,10 @@ def batch_logprobs(
     context = model.disable_adapter() if disable_adapter else nullcontext()  # type: ignore[operator]
     values = []
     with torch.no_grad(), context:
+        prefix = step_prefix(model, [(batch.input_ids, batch.attention_mask, batch.first_loss_column)]) if len(parts) > 1 else None
         for part in parts:
             values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
-                                         first_column=part.first_loss_column))
+                                         first_column=part.first_loss_column, prefix=prefix))
     return merge_microbatch_rows(batch, parts, values)
 
 
@@ -165,16 +167,19 @@ def reduce_part_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def replay_nll_backward(model: torch.nn.Module, batch: Batch, coef: float, micro_batch_size: int) -> dict[str, float]:
+def replay_nll_backward(model: torch.nn.Module, batch: Batch, coef: float, micro_batch_size: int,
+                        prefix: StepPrefix | None = None) -> dict[str, float]:
     """Add ``coef`` x the mean NLL per loss-masked token of ``batch`` to the gradients (backward per
     micro-batch, each part's sum over the whole batch's token count, so the sum is the mean) and
-    return ``{"replay_nll": mean NLL}``. The expert-replay term of ``RLConfig.expert_replay``."""
+    return ``{"replay_nll": mean NLL}``. The expert-replay term of ``RLConfig.expert_replay``.
+    ``prefix``: the step's shared prefix (its ``backward()`` is the caller's, after this)."""
     device = next(model.parameters()).device
     tokens = float(batch.loss_mask.sum().clamp(min=1.0))
     total = 0.0
     for part in split_microbatches(batch, micro_batch_size, keep_trajectories=False):
         part = part.to(device)
-        logprobs = token_logprobs(model, part.input_ids, part.attention_mask, 1.0, first_column=part.first_loss_column)
+        logprobs = token_logprobs(model, part.input_ids, part.attention_mask, 1.0, first_column=part.first_loss_column,
+                                  prefix=prefix)
         nll = -(logprobs * part.loss_mask).sum()  # [B, T] -> summed over the part's assistant tokens
         (coef * nll / tokens).backward()
         total += float(nll.detach())
@@ -228,11 +233,17 @@ def policy_update(
                                                       keep_trajectories=getattr(loss_cfg, "loss", "") == "gspo"))
             if not policy_gradient:
                 parts_of_batch = []
+            # the system prompt every row (policy and replay alike) starts with runs once per pass,
+            # forward and backward, not once per micro-batch (tracegym/train/step_prefix.py)
+            sources = [(batch.input_ids, batch.attention_mask, batch.first_loss_column)] if parts_of_batch else []
+            if replay is not None:
+                sources.append((replay[0].input_ids, replay[0].attention_mask, replay[0].first_loss_column))
+            prefix = step_prefix(model, sources) if sources else None
             for part in parts_of_batch:
                 part = part.to(device)
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
                 logprobs, entropy = token_logprobs_and_entropy(model, part.input_ids, part.attention_mask, temperature,
-                                                               first_column=part.first_loss_column)
+                                                               first_column=part.first_loss_column, prefix=prefix)
                 if old_from_forward:  # the weights this pass starts from are the old policy: ratio 1
                     part = part.with_logprobs(old=logprobs.detach())
                 loss, metrics = compute_policy_loss(part, logprobs, entropy, loss_cfg)
@@ -240,7 +251,9 @@ def policy_update(
                 parts.append(metrics)
             per_epoch.append(reduce_part_metrics(parts) if parts else {})
             if replay is not None:
-                per_epoch[-1].update(replay_nll_backward(model, replay[0], replay[1], micro_batch_size))
+                per_epoch[-1].update(replay_nll_backward(model, replay[0], replay[1], micro_batch_size, prefix))
+            if prefix is not None:
+                prefix.backward()  # every part's gradient w.r.t. the prefix, through its forward once
             grad_norms.append(clip_gradients(model.parameters(), max_grad_norm))
             lrs.append(scheduler.get_last_lr()[0])
             optimizer.step()
