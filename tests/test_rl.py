@@ -467,7 +467,7 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(tmp_path, monkeyp
     monkeypatch.setattr(LlamaMLP, "forward", counted)
     # one forward per micro-batch on both sides (the shared-prefix forward, which checkpointing
     # cannot use, would split the plain side's into two calls)
-    monkeypatch.setattr("tracegym.train.logprobs.MIN_SHARED_PREFIX", 10**9)
+    monkeypatch.setattr("tracegym.train.step_prefix.MIN_SHARED_PREFIX", 10**9)  # micro-batch and step prefixes alike
     common = ("steps=1", "eval.at_start=false", "eval.every=0", "tasks.test=1", "lora.enabled=false")
     plain = _steps(train_rl(_config(tmp_path / "a", *common)).run_dir)[0]
     plain_calls, calls["n"] = calls["n"], 0
