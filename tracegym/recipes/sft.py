@@ -45,10 +45,10 @@ from tracegym.rl.policy import load_policy
 from tracegym.train.checkpoint import save_final
 from tracegym.train.logging import process_rss_mb
 from tracegym.train.logprobs import token_logprobs
-from tracegym.train.step_prefix import step_prefix
 from tracegym.train.optim import build_optimizer, build_scheduler
 from tracegym.train.result import TrainResult
 from tracegym.train.seed import seed_everything
+from tracegym.train.step_prefix import step_prefix
 from tracegym.types import TrainingExample
 
 log = logging.getLogger(__name__)

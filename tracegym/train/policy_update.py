@@ -35,9 +35,9 @@ from tracegym.algos.compose import compute_policy_loss
 from tracegym.batch import Batch, merge_microbatch_rows, split_by_computed_tokens, split_microbatches
 from tracegym.memory import release_memory
 from tracegym.train.logprobs import token_logprobs, token_logprobs_and_entropy
-from tracegym.train.step_prefix import StepPrefix, step_prefix
 from tracegym.train.optim import clip_gradients
 from tracegym.train.precision import needs_train_mode, training_autocast
+from tracegym.train.step_prefix import StepPrefix, step_prefix
 
 
 def batch_logprobs(
@@ -51,7 +51,9 @@ def batch_logprobs(
     context = model.disable_adapter() if disable_adapter else nullcontext()  # type: ignore[operator]
     values = []
     with torch.no_grad(), context:
-        prefix = step_prefix(model, [(batch.input_ids, batch.attention_mask, batch.first_loss_column)]) if len(parts) > 1 else None
+        # the system prompt every row starts with: once for all parts (tracegym/train/step_prefix.py)
+        prefix = step_prefix(model, [(batch.input_ids, batch.attention_mask, batch.first_loss_column)]) if len(
+            parts) > 1 else None
         for part in parts:
             values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
                                          first_column=part.first_loss_column, prefix=prefix))
