@@ -52,8 +52,8 @@ def batch_logprobs(
     values = []
     with torch.no_grad(), context:
         # the system prompt every row starts with: once for all parts (tracegym/train/step_prefix.py)
-        prefix = step_prefix(model, [(batch.input_ids, batch.attention_mask, batch.first_loss_column)]) if len(
-            parts) > 1 else None
+        whole = [(batch.input_ids, batch.attention_mask, batch.first_loss_column)]
+        prefix = step_prefix(model, whole) if len(parts) > 1 else None
         for part in parts:
             values.append(token_logprobs(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
                                          first_column=part.first_loss_column, prefix=prefix))
@@ -240,7 +240,7 @@ def policy_update(
             sources = [(batch.input_ids, batch.attention_mask, batch.first_loss_column)] if parts_of_batch else []
             if replay is not None:
                 sources.append((replay[0].input_ids, replay[0].attention_mask, replay[0].first_loss_column))
-            prefix = step_prefix(model, sources) if sources else None
+            prefix = step_prefix(model, sources)  # None without sources (no rows that share a prefix)
             for part in parts_of_batch:
                 part = part.to(device)
                 # entropy comes from the same logits: logged every step, used by entropy bonus / clip
