@@ -88,4 +88,29 @@ def test_the_one_call_config_keeps_the_settings_its_block_was_measured_with():
     rl = rl_stage_config(one_call, "a", "b")
     assert (rl.optim.lr, rl.guidance, rl.max_policy_drift, rl.expert_replay, rl.model.autocast) == (2e-4, None, None, None, "none")
     assert rl.env.options == {"num_calls": 1} and (one_call.sft_steps, one_call.test_tasks, one_call.eval_samples) == (16, 40, 4)
-    assert one_call.micro_batch_size == one_call.sft_micro_batch_size == 1
+    assert one_call.micro_batch_size == one_call.sft_micro_batch_size == 1 and one_call.eval_concurrency == 64
+
+
+def test_the_evaluations_decode_eval_concurrency_episodes_together(monkeypatch, tmp_path):
+    """``eval_concurrency`` reaches both the runner (episodes in flight) and the engine (rows a step)."""
+    import tracegym.engines
+    from tracegym.envs import make
+    from tracegym.models import load_tokenizer
+    from tracegym.recipes.demo import DemoConfig, eval_rollout_config, evaluate_stage
+    from tracegym.render import get_renderer
+
+    cfg = DemoConfig(model="tiny-random", eval_concurrency=3, eval_samples=2, eval_ks=[1], eval_turns=[1],
+                     max_tokens_per_turn=4, progress=False, env_options={"num_calls": 1})
+    assert eval_rollout_config(cfg).concurrency == 3 and DemoConfig().eval_concurrency == 128
+    engines = []
+    make_engine = tracegym.engines.make_engine
+
+    def spy(*args, **kwargs):
+        engines.append(make_engine(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(tracegym.engines, "make_engine", spy)
+    renderer = get_renderer("tiny-random", load_tokenizer("tiny-random"))
+    tasks = make("calculator", num_calls=1).tasks("test", 2, 0)
+    summary = evaluate_stage(cfg, tasks, renderer, "tiny-random", tmp_path, "base")
+    assert summary["n_tasks"] == 2 and engines[0].max_batch_size == 3
