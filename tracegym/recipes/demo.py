@@ -61,11 +61,12 @@ class DemoConfig(_Section):
     """Interaction budgets T of pass@(k,T); episodes run with the largest."""
 
     eval_concurrency: int = Field(128, gt=0)
-    """Episodes of an evaluation decoding together (the engine's ``max_batch_size``): a decoding step
-    of 128 rows runs the output layer at 70 GFLOP/s on a 2-core EPYC against 50 at 64 rows, so the
-    SFT adapter's evaluation of 128 tasks x 2 took 206 s against 229 at 64 (1.12x, the same pass@1;
-    ``bench/eval_concurrency.py``), for 0.9 GB more peak memory. Tokens equal those at any other
-    concurrency up to float rounding (each row has its own seeded generator)."""
+    """Episodes of an evaluation decoding together (the engine's ``max_batch_size``). A decoding
+    step's matmuls are ``[rows, 576] @ [576, N]``, and 128 rows run them closer to the CPU's rate
+    than 64 (the 49152-wide output layer most of all): the SFT adapter's evaluation of 128 tasks x 2
+    took a median 202 s against 258 s at 64 on a 2-core EPYC (three side-by-side pairs, 1.12-1.40x;
+    the same pass@1; ``bench/eval_concurrency.py``), for 0.9 GB more peak memory. Tokens equal those
+    at any other concurrency up to float rounding (each row has its own seeded generator)."""
 
     temperature: float = Field(0.7, ge=0)
     """Sampling temperature of evaluation and RL rollouts."""
