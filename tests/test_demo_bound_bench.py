@@ -5,15 +5,13 @@ matmuls, forward and backward, and nothing else (no model is loaded)."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import threading
 from pathlib import Path
 
 import torch
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(_BENCH))
-_SPEC = importlib.util.spec_from_file_location("demo_bound", _BENCH / "demo_bound.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "demo_bound", Path(__file__).resolve().parents[1] / "bench" / "demo_bound.py")
 demo_bound = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(demo_bound)
 
