@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def counted_flops(work: Callable[[], object]) -> tuple[float, float]:
-    """(multiply-add FLOPs of every matmul ``work`` runs, forward and backward, in any thread; its seconds).
+    """(FLOPs, 2 per multiply-add, of every matmul ``work`` runs, forward and backward, in any thread; its seconds).
 
     torch's counter (``FlopCounterMode``, a dispatch mode) and its profiler see the thread that
     enters them only, and the demo samples in worker threads (the runner's ``asyncio.to_thread``, the
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg.model_copy(update={"progress": False})
     sft_adapter = args.run / "train_sft" / "final"
     renderer = get_renderer(cfg.model, load_tokenizer(cfg.model))
-    test_tasks = make(cfg.env, **cfg.env_options).tasks("test", args.tasks, cfg.seed if cfg.task_seed is None else cfg.task_seed)
+    test_tasks = make(cfg.env, **cfg.env_options).tasks("test", args.tasks, cfg.task_draw_seed)
     eval_scale = cfg.test_tasks / args.tasks
     rows: list[tuple[str, float, float, float]] = []  # stage, counted FLOPs, times in the job, sampled seconds
     with tempfile.TemporaryDirectory(prefix="demo-bound-") as scratch:

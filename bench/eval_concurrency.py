@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def run_setting(model: str, tasks: int, samples: int, concurrency: int, scratch: str) -> dict:
     from tracegym.envs import make
+    from tracegym.eval.metrics import solved_per_task
     from tracegym.models import load_tokenizer
     from tracegym.recipes.demo import DemoConfig, evaluate_stage
     from tracegym.render import get_renderer
@@ -38,9 +39,8 @@ def run_setting(model: str, tasks: int, samples: int, concurrency: int, scratch:
     start = time.perf_counter()
     summary = evaluate_stage(cfg, test_tasks, renderer, model, Path(scratch) / str(concurrency), "sft")
     seconds = time.perf_counter() - start
-    solved = {task: [v["n"], v["solved"]["4"]] for task, v in summary["per_task"].items()}
     return {"eval_s": seconds, "pass@1": summary["pass_at"]["4"]["1"], "tokens": summary["rollout"]["generated_tokens"],
-            "solved": solved, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "solved": solved_per_task(summary, 4), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main(argv: list[str] | None = None) -> int:

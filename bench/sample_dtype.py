@@ -47,7 +47,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from tracegym.engines import hf, make_engine
     from tracegym.envs import make
-    from tracegym.eval.metrics import paired_bootstrap_diff
+    from tracegym.eval.metrics import paired_bootstrap_diff, solved_per_task
     from tracegym.models import adapter_base_model, load, load_tokenizer
     from tracegym.recipes.evaluate import evaluate_to_dir
     from tracegym.render import get_renderer
@@ -101,12 +101,9 @@ def main() -> int:
               f"{base / seconds:.2f}x | {first['pass_at']['4']['1']:.3f} | {first['cost']['turns']:.2f} | "
               f"{first['cost']['generated_tokens']:.1f} |")
 
-    def solved(d: str) -> dict:
-        per_task = runs[d][0]["summary"]["per_task"]
-        return {t: (v["n"], v["solved"]["4"]) for t, v in per_task.items()}
-
     for d in dtypes[1:]:
-        diff, low, high, shared = paired_bootstrap_diff(solved(dtypes[0]), solved(d), 1)
+        diff, low, high, shared = paired_bootstrap_diff(solved_per_task(runs[dtypes[0]][0]["summary"], 4),
+                                                        solved_per_task(runs[d][0]["summary"], 4), 1)
         print(f"pass@1 {d} - {dtypes[0]}: {diff:+.3f} [{low:+.3f}, {high:+.3f}] over {shared} tasks (paired bootstrap)")
     print(f"peak RSS {peak_rss_mb():.0f} MB")
     return 0

@@ -26,6 +26,6 @@ def test_the_count_is_every_threads_matmuls_forward_and_backward():
         worker.join()
 
     flops, seconds = demo_bound.counted_flops(work)
-    # forward [8,16]@[16,4], backward dX = dY [8,4] @ W^T [4,16]: 2 * 8*16*4 multiply-adds each
+    # forward [8,16]@[16,4], backward dX = dY [8,4] @ W^T [4,16]: 8*16*4 multiply-adds, 2 FLOPs each
     assert flops == 2 * (2 * 8 * 16 * 4) and seconds >= 0
     assert demo_bound.counted_flops(lambda: torch.ones(3).exp())[0] == 0

@@ -233,3 +233,9 @@ def test_load_eval_rejects_other_json(tmp_path) -> None:
         load_eval(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_eval(tmp_path / "nowhere")
+
+
+def test_solved_per_task_reads_an_eval_summary_at_a_turn_budget():
+    summary = {"per_task": {"a": {"n": 2, "solved": {"1": 0, "4": 2}}, "b": {"n": 2, "solved": {"1": 1, "4": 1}}}}
+    assert M.solved_per_task(summary, 4) == M.solved_per_task(summary, "4") == {"a": (2, 2), "b": (2, 1)}
+    assert M.solved_per_task(summary, 1) == {"a": (2, 0), "b": (2, 1)}

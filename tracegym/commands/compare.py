@@ -65,7 +65,7 @@ def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None 
             seed: int = 0) -> dict[str, Any]:
     """Load the evaluations and build the comparison (rows, chosen T and k, paired differences)."""
     from tracegym.eval.evaluate import load_eval
-    from tracegym.eval.metrics import paired_bootstrap_diff
+    from tracegym.eval.metrics import paired_bootstrap_diff, solved_per_task
     from tracegym.eval.report import eval_row, has_injection
 
     paths = [Path(d) for d in dirs]
@@ -90,10 +90,9 @@ def compare(dirs: list[str], labels: list[str] | None = None, turns: int | None 
         row = eval_row(summary, label, turn=turns, k=k)
         row["Δpass@1"] = "–"
         if summary is not base and "per_task" in summary and "per_task" in base:
-            a = {t: (v["n"], v["solved"][str(turns)]) for t, v in base["per_task"].items()}
-            b = {t: (v["n"], v["solved"][str(turns)]) for t, v in summary["per_task"].items()}
             try:
-                diff, low, high, shared = paired_bootstrap_diff(a, b, 1, seed=seed)
+                diff, low, high, shared = paired_bootstrap_diff(solved_per_task(base, turns), solved_per_task(summary, turns),
+                                                                1, seed=seed)
                 row["Δpass@1"] = f"{diff:+.3f} [{low:+.3f}, {high:+.3f}] on {shared}"
             except ValueError as e:  # no shared task ids
                 row["Δpass@1"] = "–"

@@ -67,7 +67,7 @@ def run_seeds(args: argparse.Namespace) -> int:
     cfg = load_for_command(DemoConfig, argparse.Namespace(**{**vars(args), "print_config": False}), check=check_config)
     if isinstance(cfg, int):
         return cfg
-    cfg = cfg.model_copy(update={"task_seed": cfg.seed if cfg.task_seed is None else cfg.task_seed})
+    cfg = cfg.model_copy(update={"task_seed": cfg.task_draw_seed})
 
     def demo_one(seed_cfg: DemoConfig) -> dict[str, float]:
         results = run_demo(seed_cfg)

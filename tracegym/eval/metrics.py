@@ -39,6 +39,7 @@ __all__ = [
     "group_by_task",
     "injection_figures",
     "mean_pass_at_k",
+    "solved_per_task",
     "paired_bootstrap_diff",
     "paired_seeds_tasks_bootstrap_diff",
     "pass_at_k",
@@ -222,6 +223,12 @@ def bootstrap_ci(
     """Percentile bootstrap interval of the mean over tasks of one statistic."""
     low, high = bootstrap_ci_matrix(np.asarray(per_task_values, dtype=np.float64), n_resamples, confidence, seed)
     return float(low), float(high)
+
+
+def solved_per_task(summary: Mapping[str, Any], turns: int | str) -> dict[str, tuple[int, int]]:
+    """task id -> (samples n, samples solved within ``turns``) of an ``eval.json`` summary: the
+    input :func:`paired_bootstrap_diff` pairs two evaluations on."""
+    return {task: (row["n"], row["solved"][str(turns)]) for task, row in summary["per_task"].items()}
 
 
 def paired_bootstrap_diff(

@@ -194,6 +194,11 @@ class DemoConfig(_Section):
     progress: bool = True
     """Progress bars."""
 
+    @property
+    def task_draw_seed(self) -> int:
+        """The seed every task draw uses: ``task_seed``, or ``seed`` when it is None."""
+        return self.seed if self.task_seed is None else self.task_seed
+
     @model_validator(mode="after")
     def _sft_micro_batches_fit(self) -> "DemoConfig":
         if self.sft_batch_size % self.sft_micro_batch_size:
@@ -232,7 +237,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     # 1. expert data (train split of the SFT task family)
     _stage(f"1/6 scripted expert on {cfg.expert_tasks} {cfg.env} train tasks {cfg.sft_env_options}", started)
-    task_seed = cfg.seed if cfg.task_seed is None else cfg.task_seed
+    task_seed = cfg.task_draw_seed
     train_tasks = make(cfg.env, **cfg.sft_env_options).tasks("train", cfg.expert_tasks, task_seed)
     with TrajectoryWriter(out / "expert" / "trajectories.jsonl") as writer:
         expert = run_rollouts_sync(cfg.env, train_tasks, "expert", renderer,
@@ -322,7 +327,7 @@ def rl_stage_config(cfg: DemoConfig, sft_adapter: str | Path, output_dir: str | 
         env={"name": cfg.env, "options": {**cfg.env_options,
                                           **({"reward_parts": cfg.rl_reward_parts} if cfg.rl_reward_parts else {})}},
         tasks={"train": max(cfg.rl_steps * cfg.rl_tasks_per_step, 8), "test": 0,
-               "seed": cfg.seed if cfg.task_seed is None else cfg.task_seed},
+               "seed": cfg.task_draw_seed},
         tasks_per_step=cfg.rl_tasks_per_step, group_size=cfg.rl_group_size,
         rollout={"max_turns": max(cfg.eval_turns), "max_tokens_per_turn": cfg.max_tokens_per_turn,
                  "temperature": cfg.temperature, "concurrency": 64,
@@ -359,7 +364,7 @@ def _clear_run_dir(path: Path) -> None:
 
 def compare_summaries(summaries: dict[str, dict[str, Any]], top_turns: str) -> dict[str, Any]:
     """pass@1 with CIs per stage, and paired bootstrap differences (sft - base, rl - sft)."""
-    from tracegym.eval.metrics import paired_bootstrap_diff
+    from tracegym.eval.metrics import paired_bootstrap_diff, solved_per_task
 
     rows = {}
     for label, s in summaries.items():
@@ -372,13 +377,11 @@ def compare_summaries(summaries: dict[str, dict[str, Any]], top_turns: str) -> d
             "generated_tokens": s["cost"]["generated_tokens"],
             "tool_calls": s["cost"]["tool_calls"],
         }
-    def solved(label: str) -> dict[str, tuple[int, int]]:
-        return {t: (v["n"], v["solved"][top_turns]) for t, v in summaries[label]["per_task"].items()}
-
     diffs = {}
     for new, old in (("sft", "base"), ("rl", "sft"), ("rl", "base")):
         if new in summaries and old in summaries:
-            diff, low, high, shared = paired_bootstrap_diff(solved(old), solved(new), 1)
+            diff, low, high, shared = paired_bootstrap_diff(solved_per_task(summaries[old], top_turns),
+                                                             solved_per_task(summaries[new], top_turns), 1)
             diffs[f"{new}-{old}"] = {"diff": diff, "ci": [low, high], "tasks": shared}
     return {"turns": int(top_turns), "stages": rows, "paired_diff_pass@1": diffs}
 
